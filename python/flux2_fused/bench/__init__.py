@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m flux2_fused.bench.kernel` and `python -m flux2_fused.bench.step`."""

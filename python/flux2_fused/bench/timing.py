@@ -1,0 +1,66 @@
+"""GPU timing helpers shared by the benchmarks: CUDA-event medians and the copy-bandwidth ceiling."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def median_us(fn: Callable[[], object], *, warmup: int = 10, reps: int = 50) -> float:
+    """Median wall time of `fn` on the current stream, in microseconds, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def interleaved_median_us(
+    fns: Sequence[Callable[[], object]], *, warmup: int = 10, reps: int = 50
+) -> list[float]:
+    """Medians of several variants timed in alternation, so clock and thermal drift hit all alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples[i].append(start.elapsed_time(end) * 1e3)
+    return [statistics.median(s) for s in samples]
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """`fn` captured once in a CUDA graph; the returned callable replays it (no launch gaps)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = median_us(lambda: dst.copy_(src), warmup=5, reps=20)
+    return 2 * nbytes / (us * 1e-6) / 1e9

@@ -1,0 +1,1 @@
+"""FLUX.2 transformer models."""

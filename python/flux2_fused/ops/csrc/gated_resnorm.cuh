@@ -1,0 +1,268 @@
+// Fused gated residual + LayerNorm (no affine) + adaLN modulation, bit-exact to PyTorch eager.
+//
+// Eager computes, per row of D elements (see shared/docs/NUMERICS.md for the derivation):
+//   y   = T(T(gate * update) + residual)              two aten elementwise ops, fp32 math, T roundings
+//   n   = layer_norm(y)                               aten's vectorized_layer_norm_kernel<T, float>
+//   out = T(T(n * T(scale + 1)) + shift)              three aten elementwise ops
+// and this kernel reproduces each rounding and aten's Welford reduction order exactly: 128 "aten
+// threads" per row, thread t owning the 4-element vectors t, t + 128, ...; a Welford push per element
+// in vector order; a shuffle-down tree over each warp; then (w0 + w2), (w1 + w3), and their sum.
+// Every floating-point op is written with an explicit-rounding intrinsic so that no compiler
+// contraction can change a bit; the module must be built without --use_fast_math.
+//
+// One block of 128 threads handles one row. The row's elements live in registers between the
+// reduction and the output, so the kernel moves exactly: read residual + update, write residual_out
+// (optional) + out; gate/scale/shift rows are L2-resident broadcasts.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+namespace flux2_fused {
+
+constexpr int kThreads = 128;  // aten: block (32, 4), one row per block
+constexpr int kWarps = kThreads / 32;
+
+// ---- element type helpers: T <-> float with the same rounding as c10's conversions on sm_80+ ----
+template <typename T>
+struct Vec4;  // four elements, 8 bytes: the unit aten's vectorized kernel and ours load per thread
+
+template <>
+struct Vec4<__nv_bfloat16> {
+  using Pair = __nv_bfloat162;
+  static __device__ __forceinline__ float lo(Pair p) { return __low2float(p); }
+  static __device__ __forceinline__ float hi(Pair p) { return __high2float(p); }
+  static __device__ __forceinline__ Pair pack(float a, float b) {
+    return __halves2bfloat162(__float2bfloat16_rn(a), __float2bfloat16_rn(b));
+  }
+  static __device__ __forceinline__ float round(float x) {
+    return __bfloat162float(__float2bfloat16_rn(x));
+  }
+};
+
+template <>
+struct Vec4<__half> {
+  using Pair = __half2;
+  static __device__ __forceinline__ float lo(Pair p) { return __low2float(p); }
+  static __device__ __forceinline__ float hi(Pair p) { return __high2float(p); }
+  static __device__ __forceinline__ Pair pack(float a, float b) {
+    return __halves2half2(__float2half_rn(a), __float2half_rn(b));
+  }
+  static __device__ __forceinline__ float round(float x) { return __half2float(__float2half_rn(x)); }
+};
+
+// Four T values as two packed pairs in one 8-byte register pair.
+template <typename T>
+struct alignas(8) Packed4 {
+  typename Vec4<T>::Pair p[2];
+  __device__ __forceinline__ float get(int i) const {
+    return (i & 1) ? Vec4<T>::hi(p[i >> 1]) : Vec4<T>::lo(p[i >> 1]);
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ Packed4<T> pack4(const float (&v)[4]) {
+  Packed4<T> r;
+  r.p[0] = Vec4<T>::pack(v[0], v[1]);
+  r.p[1] = Vec4<T>::pack(v[2], v[3]);
+  return r;
+}
+
+// Row pointers are pre-offset by the thread's first vector, so the j-th vector sits at a
+// compile-time offset (j * 128 vectors) and every load and store uses one base register.
+template <typename T>
+__device__ __forceinline__ Packed4<T> load_stream(const uint2* base, int j) {
+  // Read-once rows: evict-first, so they do not displace the L2-resident modulation rows.
+  const uint2 raw = __ldcs(base + j * kThreads);
+  return *reinterpret_cast<const Packed4<T>*>(&raw);
+}
+
+template <typename T>
+__device__ __forceinline__ Packed4<T> load_cached(const uint2* base, int j) {
+  const uint2 raw = __ldg(base + j * kThreads);
+  return *reinterpret_cast<const Packed4<T>*>(&raw);
+}
+
+template <typename T>
+__device__ __forceinline__ void store(uint2* base, int j, const Packed4<T>& v) {
+  base[j * kThreads] = *reinterpret_cast<const uint2*>(&v);
+}
+
+template <typename T>
+__device__ __forceinline__ const uint2* thread_base(const T* row) {
+  return reinterpret_cast<const uint2*>(row) + threadIdx.x;
+}
+
+// ---- aten's Welford (WelfordDataLN, cuWelfordOnlineSum, cuWelfordCombine), op for op ----
+struct Welford {
+  float mean, m2, count;
+};
+
+// Push of the k-th element (0-based) of this thread: count k -> k + 1, so 1 / (k + 1) is a
+// compile-time constant once the caller's loops are unrolled (IEEE division, folded exactly).
+__device__ __forceinline__ void welford_push(Welford& w, float x, float rcp_count) {
+  const float d = __fsub_rn(x, w.mean);
+  w.count = __fadd_rn(w.count, 1.0f);
+  w.mean = __fmaf_rn(d, rcp_count, w.mean);
+  w.m2 = __fmaf_rn(d, __fsub_rn(x, w.mean), w.m2);
+}
+
+// cuWelfordCombine(dataB = self, dataA = other).
+__device__ __forceinline__ Welford welford_combine(const Welford& self, const Welford& other) {
+  const float count = __fadd_rn(other.count, self.count);
+  if (!(self.count > -other.count)) return {0.0f, 0.0f, count};
+  const float coef = __frcp_rn(count);
+  const float delta = __fsub_rn(self.mean, other.mean);
+  const float n_other = __fmul_rn(other.count, coef);
+  const float n_self = __fmul_rn(self.count, coef);
+  const float mean = __fmaf_rn(other.mean, n_other, __fmul_rn(n_self, self.mean));
+  const float m2 = __fmaf_rn(n_self, __fmul_rn(other.count, __fmul_rn(delta, delta)),
+                             __fadd_rn(other.m2, self.m2));
+  return {mean, m2, count};
+}
+
+__device__ __forceinline__ Welford warp_reduce(Welford w) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    Welford other;
+    other.mean = __shfl_down_sync(0xffffffffu, w.mean, offset);
+    other.m2 = __shfl_down_sync(0xffffffffu, w.m2, offset);
+    other.count = __shfl_down_sync(0xffffffffu, w.count, offset);
+    w = welford_combine(w, other);
+  }
+  return w;
+}
+
+// ---- kernel parameters ----
+// Input rows come from up to two segments (rows [0, split) of each batch from seg[0], the rest from
+// seg[1]), so a stream concat can be materialized straight into its buffer in the same launch.
+template <typename T>
+struct Segment {
+  const T* residual;     // [B, rows, D], stride(-1) == 1
+  const T* update;       // same shape as residual (unused without the gated add)
+  const T* gate;         // [B or 1, D] rows, broadcast over tokens
+  int64_t residual_batch_stride, residual_row_stride;
+  int64_t update_batch_stride, update_row_stride;
+  int64_t gate_batch_stride;  // 0 when broadcast over the batch
+};
+
+template <typename T>
+struct Params {
+  Segment<T> seg[2];
+  int64_t split;           // rows < split come from seg[0]
+  int64_t rows_per_batch;  // T (tokens)
+  T* out;                  // [B, T, D] contiguous
+  T* residual_out;         // [B, T, D] contiguous, or nullptr to skip writing it
+  const T* scale;          // [B or 1, D]
+  const T* shift;
+  int64_t scale_batch_stride, shift_batch_stride;
+  int32_t dim;    // D, a multiple of 4
+  float eps;
+};
+
+// kGated: y = residual + gate * update (false: y = residual, the plain modulated LayerNorm).
+// kVecs: the most 4-element vectors one thread owns, ceil(D / 512) rounded up to an instantiated size.
+template <typename T, int kVecs, bool kGated>
+__global__ void __launch_bounds__(kThreads) gated_resnorm_kernel(const Params<T> p) {
+  using V = Vec4<T>;
+  const int tid = threadIdx.x;
+  const int64_t row = blockIdx.x;
+  const int64_t batch = row / p.rows_per_batch;
+  const int64_t tok = row - batch * p.rows_per_batch;
+  // This thread owns vectors tid + 128 j for j < owned (aten's per-thread order and tail counts).
+  const int owned = (p.dim / 4 - tid + kThreads - 1) / kThreads;
+
+  const bool second = tok >= p.split;
+  const Segment<T>& s = p.seg[second ? 1 : 0];
+  const int64_t seg_tok = second ? tok - p.split : tok;
+  const uint2* residual =
+      thread_base(s.residual + batch * s.residual_batch_stride + seg_tok * s.residual_row_stride);
+
+  // 1. Load the row (all loads in flight before the first use), form y, write residual_out.
+  Packed4<T> y[kVecs];
+  if constexpr (kGated) {
+    const uint2* update =
+        thread_base(s.update + batch * s.update_batch_stride + seg_tok * s.update_row_stride);
+    const uint2* gate = thread_base(s.gate + batch * s.gate_batch_stride);
+    Packed4<T> r[kVecs], u[kVecs], g[kVecs];
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j < owned) {
+        r[j] = load_stream<T>(residual, j);
+        u[j] = load_stream<T>(update, j);
+        g[j] = load_cached<T>(gate, j);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      float yv[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float prod = V::round(__fmul_rn(g[j].get(e), u[j].get(e)));
+        yv[e] = __fadd_rn(r[j].get(e), prod);
+      }
+      y[j] = pack4<T>(yv);
+    }
+    if (p.residual_out != nullptr) {
+      uint2* residual_out = const_cast<uint2*>(thread_base(p.residual_out + row * p.dim));
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        if (j < owned) store(residual_out, j, y[j]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      if (j < owned) y[j] = load_stream<T>(residual, j);
+    }
+  }
+
+  // 2. Per-thread Welford over this thread's elements, in aten's order.
+  Welford w{0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (j < owned) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) welford_push(w, y[j].get(e), 1.0f / static_cast<float>(4 * j + e + 1));
+    }
+  }
+
+  // 3. Warp trees, then aten's cross-warp order: (w0 + w2), (w1 + w3), then their sum. Every thread
+  // finishes the last two levels itself from shared memory, which saves two barriers.
+  w = warp_reduce(w);
+  __shared__ Welford warp_result[kWarps];
+  if ((tid & 31) == 0) warp_result[tid >> 5] = w;
+  __syncthreads();
+  const Welford w02 = welford_combine(warp_result[0], warp_result[2]);
+  const Welford w13 = welford_combine(warp_result[1], warp_result[3]);
+  const Welford total = welford_combine(w02, w13);
+  const float mean = total.mean;
+  const float var = __fdiv_rn(total.m2, static_cast<float>(p.dim));
+  const float rstd = rsqrtf(__fadd_rn(var, p.eps));
+
+  // 4. n = T(rstd * (y - mean)); out = T(T(n * T(scale + 1)) + shift). The modulation rows are
+  // L2-resident and loaded only now: loading them before the reduction keeps twice the registers
+  // live through it and costs occupancy.
+  const uint2* scale = thread_base(p.scale + batch * p.scale_batch_stride);
+  const uint2* shift = thread_base(p.shift + batch * p.shift_batch_stride);
+  uint2* out = const_cast<uint2*>(thread_base(p.out + row * p.dim));
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (j < owned) {
+      const Packed4<T> sc = load_cached<T>(scale, j);
+      const Packed4<T> sh = load_cached<T>(shift, j);
+      float o[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float n = V::round(__fmul_rn(rstd, __fsub_rn(y[j].get(e), mean)));
+        const float s1 = V::round(__fadd_rn(sc.get(e), 1.0f));
+        const float m = V::round(__fmul_rn(n, s1));
+        o[e] = __fadd_rn(m, sh.get(e));
+      }
+      store(out, j, pack4<T>(o));
+    }
+  }
+}
+
+}  // namespace flux2_fused

@@ -1,0 +1,185 @@
+"""GPU tests: the fused kernel equals eager bit for bit (run on the device machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flux2_fused.ops import (
+    bits_equal,
+    can_use_flux2_gated_resnorm,
+    flux2_gated_resnorm_raw,
+    flux2_modnorm_raw,
+    gated_resnorm_decline_reason,
+    gated_resnorm_reference,
+    modnorm_reference,
+)
+from flux2_fused.ops.gated_resnorm import Segment, launch
+
+pytestmark = pytest.mark.gpu
+
+TOKENS = [1, 7, 64, 512, 4096, 4608, 16896]
+DIMS = [3072, 4096, 6144, 8192, 5000]  # 5000: D % 512 != 0, threads end with different counts
+
+
+def _rows(batch: int, tokens: int, dim: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """randn rows, with rows scaled x1e3 and x1e-3, constant rows and NaN / Inf rows mixed in."""
+    x = torch.randn(batch, tokens, dim, generator=gen, device="cuda", dtype=torch.float32)
+    x[:, 1::5] *= 1e3
+    x[:, 2::5] *= 1e-3
+    x[:, 3::11] = x[:, 3::11, :1]  # constant rows: variance 0
+    if tokens > 4:
+        x[0, 4, dim // 3] = float("nan")
+        x[-1, tokens - 1, 1] = float("inf")
+    return x.to(dtype)
+
+
+def _modulation(batch: int, dim: int, dtype: torch.dtype, layout: str, gen: torch.Generator):
+    mod = torch.randn(batch, 1, 6 * dim, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+    shift, scale, gate = mod.chunk(6, dim=-1)[3:]  # strided [B, 1, D] views, as FLUX.2 chunks them
+    if layout == "broadcast":
+        return gate[0, 0], scale[:1, 0], shift[:1]  # [D], [1, D], [1, 1, D]
+    return gate, scale, shift
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    g = torch.Generator(device="cuda")
+    g.seed()  # fresh random data every run
+    return g
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["strided", "broadcast"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_gated_resnorm_bit_exact(tokens, dim, batch, layout, dtype, gen):
+    residual = _rows(batch, tokens, dim, dtype, gen)
+    update = _rows(batch, tokens, dim, dtype, gen)
+    gate, scale, shift = _modulation(batch, dim, dtype, layout, gen)
+    before = residual.clone(), update.clone()
+    out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+    ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
+    assert bits_equal(residual_out, ref_residual)
+    assert bits_equal(out, ref_out)
+    assert torch.equal(before[0].view(torch.int16), residual.view(torch.int16))  # inputs untouched
+    assert torch.equal(before[1].view(torch.int16), update.view(torch.int16))
+    x = _rows(batch, tokens, dim, dtype, gen)
+    assert bits_equal(flux2_modnorm_raw(x, scale, shift), modnorm_reference(x, scale, shift))
+
+
+@pytest.mark.parametrize("dim", [4, 64, 260, 512, 1028, 2052, 16384])
+def test_small_and_large_hidden_sizes(dim, gen):
+    residual, update = _rows(2, 33, dim, torch.bfloat16, gen), _rows(2, 33, dim, torch.bfloat16, gen)
+    gate, scale, shift = _modulation(2, dim, torch.bfloat16, "strided", gen)
+    out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+    ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
+    assert bits_equal(residual_out, ref_residual) and bits_equal(out, ref_out)
+
+
+def test_two_dimensional_stream(gen):
+    residual, update = (
+        _rows(1, 300, 3072, torch.bfloat16, gen)[0],
+        _rows(1, 300, 3072, torch.bfloat16, gen)[0],
+    )
+    gate, scale, shift = _modulation(1, 3072, torch.bfloat16, "broadcast", gen)
+    out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+    ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
+    assert out.shape == residual.shape
+    assert bits_equal(residual_out, ref_residual) and bits_equal(out, ref_out)
+
+
+def test_two_segments_write_the_concat(gen):
+    """Text rows then image rows, each with its own gate, into one [B, T_txt + T_img, D] buffer."""
+    dim, dtype = 3072, torch.bfloat16
+    txt = [_rows(2, 77, dim, dtype, gen) for _ in range(2)]
+    img = [_rows(2, 1000, dim, dtype, gen) for _ in range(2)]
+    g_txt, _, _ = _modulation(2, dim, dtype, "strided", gen)
+    g_img, scale, shift = _modulation(2, dim, dtype, "strided", gen)
+    out, residual_out = launch(
+        [Segment(txt[0], txt[1], g_txt), Segment(img[0], img[1], g_img)],
+        scale,
+        shift,
+        1e-6,
+        write_residual=True,
+    )
+    ref_residual = torch.cat([txt[0] + g_txt * txt[1], img[0] + g_img * img[1]], dim=1)
+    assert bits_equal(residual_out, ref_residual)
+    assert bits_equal(out, modnorm_reference(ref_residual, scale, shift))
+
+
+def test_strided_rows_without_residual_out(gen):
+    """The output-norm site: image rows sliced out of the joint stream, the residual never written."""
+    dim, dtype = 4096, torch.bfloat16
+    joint = [_rows(2, 512 + 999, dim, dtype, gen) for _ in range(2)]
+    gate, scale, shift = _modulation(2, dim, dtype, "strided", gen)
+    img = [t[:, 512:] for t in joint]
+    out, residual_out = launch([Segment(img[0], img[1], gate)], scale, shift, 1e-6, write_residual=False)
+    assert residual_out is None
+    ref_out, _ = gated_resnorm_reference(img[0], img[1], gate, scale, shift)
+    assert bits_equal(out, ref_out)
+
+
+def test_offsets_past_int32(gen):
+    """More than 2**31 elements: row offsets must be 64-bit."""
+    tokens, dim = 2**31 // 8192 + 3, 8192
+    residual = torch.randn(1, tokens, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    update = torch.randn(1, tokens, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    gate, scale, shift = _modulation(1, dim, torch.bfloat16, "strided", gen)
+    out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+    tail = slice(tokens - 64, tokens)
+    ref_out, ref_residual = gated_resnorm_reference(residual[:, tail], update[:, tail], gate, scale, shift)
+    assert bits_equal(residual_out[:, tail], ref_residual) and bits_equal(out[:, tail], ref_out)
+
+
+def test_follows_current_stream_and_graph_capture(gen):
+    dim, dtype = 6144, torch.bfloat16
+    residual, update = _rows(1, 512, dim, dtype, gen), _rows(1, 512, dim, dtype, gen)
+    gate, scale, shift = _modulation(1, dim, dtype, "strided", gen)
+    assert can_use_flux2_gated_resnorm(residual, update, gate, scale, shift)  # self-check runs here
+    ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+    torch.cuda.current_stream().wait_stream(side)
+    assert bits_equal(out, ref_out) and bits_equal(residual_out, ref_residual)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert can_use_flux2_gated_resnorm(residual, update, gate, scale, shift)
+        g_out, g_residual = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+    g_out.fill_(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bits_equal(g_out, ref_out) and bits_equal(g_residual, ref_residual)
+
+
+def test_unchecked_configuration_declines_during_capture(gen):
+    dim = 1540  # a size nothing else in the session has self-checked
+    residual, update = _rows(1, 8, dim, torch.bfloat16, gen), _rows(1, 8, dim, torch.bfloat16, gen)
+    gate, scale, shift = _modulation(1, dim, torch.bfloat16, "strided", gen)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        reason = gated_resnorm_decline_reason(residual, update, gate, scale, shift)
+    assert reason is not None and "capture" in reason
+    assert can_use_flux2_gated_resnorm(residual, update, gate, scale, shift)  # checked outside capture
+
+
+def test_gpu_guard_rejections(gen):
+    dim = 3072
+    residual, update = _rows(1, 16, dim, torch.bfloat16, gen), _rows(1, 16, dim, torch.bfloat16, gen)
+    gate, scale, shift = _modulation(1, dim, torch.bfloat16, "strided", gen)
+    cases = {
+        "not contiguous": (residual.transpose(0, 1), update.transpose(0, 1), gate, scale, shift),
+        "aligned": (residual.flatten()[1 : -(dim - 1)].view(1, 15, dim), update[:, 1:], gate, scale, shift),
+        "differs from residual": (residual, update[:, 1:], gate, scale, shift),
+        "float32": (residual, update, gate.float(), scale, shift),
+        "requires grad": (residual, update.clone().requires_grad_(), gate, scale, shift),
+    }
+    for expected, args in cases.items():
+        reason = gated_resnorm_decline_reason(*args)
+        assert reason is not None and expected in reason, (expected, reason)
+        assert not can_use_flux2_gated_resnorm(*args)
