@@ -6,9 +6,11 @@ diffusers 0.42.1 with its "native" attention backend, so the two agree bit for b
 (`torch.equal`, CPU and CUDA, fp32/bf16/fp16). Anything that looks redundant below (the fp64 RoPE
 tables, the permuted SDPA inputs, the fp16 clips) is there because dropping it would change bits.
 
-Every gated residual update goes through `gated_residual` and every LayerNorm + adaLN modulation through
-`modulated_layer_norm`: these two functions are the sites a fused kernel replaces, so they must stay the
-only places those computations happen.
+Every gated residual update goes through `ResidualFusion.add` and every LayerNorm + adaLN modulation
+through `ResidualFusion.norm` (models/deferral.py): on a CUDA GPU, where the guards prove it exact, an
+update is left pending and the next norm consumes it in one fused kernel; everywhere else the same calls
+run diffusers' eager ops. Blocks' public `forward` always returns materialized tensors, so hooks and
+callers never see a pending update; the model's own loop passes pending streams between blocks.
 """
 
 import dataclasses
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flux2_fused.models.deferral import PendingConcat, ResidualFusion, Stream, materialize
 from flux2_fused.models.weights import (
     CONFIG_NAME,
     WeightsError,
@@ -32,9 +35,6 @@ from flux2_fused.models.weights import (
 
 # (cos, sin) RoPE tables, [S_txt + S_img, head_dim] each, text rows first.
 Rope = tuple[torch.Tensor, torch.Tensor]
-
-# Largest finite fp16 value: diffusers clips fp16 residual streams to it so an overflow saturates.
-_FP16_MAX = 65504.0
 
 # Devices without fp64, where diffusers builds its RoPE tables in fp32 instead.
 _NO_FP64_DEVICES = frozenset({"mps", "npu", "neuron"})
@@ -147,30 +147,6 @@ class Flux2Config:
         config = dataclasses.asdict(self)
         config["axes_dims_rope"] = list(self.axes_dims_rope)
         return config
-
-
-def gated_residual(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """`x + gate * update`: two rounded elementwise ops, as eager diffusers computes them.
-
-    The one place a residual stream is updated; a fused kernel takes over here.
-    """
-    return x + gate * update
-
-
-def modulated_layer_norm(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """`(1 + scale) * layer_norm(x) + shift` with an affine-free LayerNorm over the last dim.
-
-    Bit-identical to diffusers' `norm(x) * (1 + scale) + shift` and `(1 + scale) * norm(x) + shift`
-    (IEEE multiply and add are commutative). The one place a stream is normalised and modulated.
-    """
-    return (1 + scale) * F.layer_norm(x, (x.shape[-1],), eps=eps) + shift
-
-
-def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
-    """Saturate an fp16 residual stream at +-65504 (diffusers does, so overflow gives 65504, not inf)."""
-    return x.clip(-_FP16_MAX, _FP16_MAX) if x.dtype == torch.float16 else x
 
 
 def split_modulation(mod: torch.Tensor, sets: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -365,7 +341,7 @@ class Flux2DoubleBlock(nn.Module):
     meeting only inside the joint attention.
 
     The norm modules hold no parameters; they are kept so module paths (and their eps) match diffusers,
-    while the computation goes through `modulated_layer_norm`.
+    while the computation goes through the shared `ResidualFusion`.
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float) -> None:
@@ -377,31 +353,38 @@ class Flux2DoubleBlock(nn.Module):
         self.ff = Flux2FeedForward(dim, mlp_hidden)
         self.norm2_context = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.ff_context = Flux2FeedForward(dim, mlp_hidden)
+        self.fusion = ResidualFusion()
 
     def forward(
         self, x: torch.Tensor, c: torch.Tensor, mod_img: torch.Tensor, mod_txt: torch.Tensor, rope: Rope
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x [B, N, D], c [B, L, D], mod_img [B, 6D], mod_txt [B, 6D], rope) -> (x, c).
+        """(x [B, N, D], c [B, L, D], mod_img [B, 6D], mod_txt [B, 6D], rope) -> (x, c), materialized."""
+        x_out, c_out = self.forward_streams(x, c, mod_img, mod_txt, rope)
+        return materialize(x_out), materialize(c_out)
+
+    def forward_streams(
+        self, x: Stream, c: Stream, mod_img: torch.Tensor, mod_txt: torch.Tensor, rope: Rope
+    ) -> tuple[Stream, Stream]:
+        """The block on possibly-pending streams; returns the FFN updates of both streams pending.
 
         Stream by stream in diffusers' order: image attention residual, norm2, FFN residual; then the
         same for text, whose result is clipped in fp16.
         """
+        fusion = self.fusion
         (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split_modulation(mod_img, 2)
         (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split_modulation(
             mod_txt, 2
         )
-        x_attn, c_attn = self.attn(
-            modulated_layer_norm(x, scale_msa, shift_msa, self.norm1.eps),
-            modulated_layer_norm(c, c_scale_msa, c_shift_msa, self.norm1_context.eps),
-            rope,
+        x, x_norm = fusion.norm(x, scale_msa, shift_msa, self.norm1.eps)
+        c, c_norm = fusion.norm(c, c_scale_msa, c_shift_msa, self.norm1_context.eps)
+        x_attn, c_attn = self.attn(x_norm, c_norm, rope)
+        x, x_norm = fusion.norm(fusion.add(x, gate_msa, x_attn), scale_mlp, shift_mlp, self.norm2.eps)
+        x_next = fusion.add(x, gate_mlp, self.ff(x_norm))
+        c, c_norm = fusion.norm(
+            fusion.add(c, c_gate_msa, c_attn), c_scale_mlp, c_shift_mlp, self.norm2_context.eps
         )
-        x = gated_residual(x, gate_msa, x_attn)
-        x_norm = modulated_layer_norm(x, scale_mlp, shift_mlp, self.norm2.eps)
-        x = gated_residual(x, gate_mlp, self.ff(x_norm))
-        c = gated_residual(c, c_gate_msa, c_attn)
-        c_norm = modulated_layer_norm(c, c_scale_mlp, c_shift_mlp, self.norm2_context.eps)
-        c = gated_residual(c, c_gate_mlp, self.ff_context(c_norm))
-        return x, _clip_fp16(c)
+        c_next = fusion.add(c, c_gate_mlp, self.ff_context(c_norm), clip_fp16=True)
+        return x_next, c_next
 
 
 class Flux2SingleBlock(nn.Module):
@@ -411,12 +394,17 @@ class Flux2SingleBlock(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.attn = Flux2ParallelAttention(dim, heads, head_dim, mlp_hidden, eps)
+        self.fusion = ResidualFusion()
 
     def forward(self, h: torch.Tensor, mod: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """(h [B, L + N, D], mod [B, 3D], rope) -> h."""
+        """(h [B, L + N, D], mod [B, 3D], rope) -> h, materialized."""
+        return materialize(self.forward_streams(h, mod, rope))
+
+    def forward_streams(self, h: Stream, mod: torch.Tensor, rope: Rope) -> Stream:
+        """The block on a possibly-pending stream; returns its parallel attention+MLP update pending."""
         ((shift, scale, gate),) = split_modulation(mod, 1)
-        h = gated_residual(h, gate, self.attn(modulated_layer_norm(h, scale, shift, self.norm.eps), rope))
-        return _clip_fp16(h)
+        h, h_norm = self.fusion.norm(h, scale, shift, self.norm.eps)
+        return self.fusion.add(h, gate, self.attn(h_norm, rope), clip_fp16=True)
 
 
 class Flux2OutputNorm(nn.Module):
@@ -429,9 +417,25 @@ class Flux2OutputNorm(nn.Module):
         self.linear = nn.Linear(dim, 2 * dim, bias=False)
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
 
+        self.fusion = ResidualFusion()
+
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        return self.forward_streams(x, 0, temb)
+
+    def forward_streams(self, h: Stream, start: int, temb: torch.Tensor) -> torch.Tensor:
+        """The output norm of tokens [start:] of a possibly-pending stream (the image rows)."""
         scale, shift = self.linear(F.silu(temb)).chunk(2, dim=1)
-        return modulated_layer_norm(x, scale[:, None, :], shift[:, None, :], self.norm.eps)
+        return self.fusion.output_norm(h, start, scale[:, None, :], shift[:, None, :], self.norm.eps)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` would run forward hooks (its own or global ones)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or torch.nn.modules.module._global_forward_hooks
+        or torch.nn.modules.module._global_forward_pre_hooks
+    )
 
 
 class Flux2Transformer(nn.Module):
@@ -441,7 +445,7 @@ class Flux2Transformer(nn.Module):
     `random` (on-device random init) or `load_state_dict` (a diffusers state dict, strict).
     """
 
-    def __init__(self, config: Flux2Config) -> None:
+    def __init__(self, config: Flux2Config, fused: bool = True) -> None:
         super().__init__()
         self.config = config
         dim, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
@@ -463,6 +467,24 @@ class Flux2Transformer(nn.Module):
         )
         self.norm_out = Flux2OutputNorm(dim, config.eps)
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels, bias=False)
+        # One switch for every site: blocks share the model's ResidualFusion.
+        self.fusion = ResidualFusion(enabled=fused)
+        for module in self.modules():
+            if module is not self and hasattr(module, "fusion"):
+                module.fusion = self.fusion
+
+    @property
+    def fused(self) -> bool:
+        """Whether the fused CUDA path may run (it still declines wherever it is not proven exact).
+
+        On by default; `Flux2Transformer(config, fused=False)`, `model.fused = False` or the environment
+        variable FLUX2_FUSED_DISABLE=1 turn it off. Outputs are bit-identical either way.
+        """
+        return self.fusion.enabled
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        self.fusion.enabled = bool(value)
 
     def rope(self, img_ids: torch.Tensor, txt_ids: torch.Tensor, device: torch.device) -> Rope:
         """Joint RoPE tables, text rows first, built where the ids live and then moved to `device`.
@@ -499,23 +521,39 @@ class Flux2Transformer(nn.Module):
         c = self.context_embedder(encoder_hidden_states)
         rope = self.rope(img_ids, txt_ids, x.device)
 
+        txt_tokens = c.shape[1]
+        x_s: Stream = x
+        c_s: Stream = c
         for block in self.transformer_blocks:
-            x, c = block(x, c, mod_img, mod_txt, rope)
-        h = torch.cat([c, x], dim=1)
+            if _has_hooks(block):  # hooks see real tensors, so this block runs through its public forward
+                x_s, c_s = block(materialize(x_s), materialize(c_s), mod_img, mod_txt, rope)
+            else:
+                x_s, c_s = block.forward_streams(x_s, c_s, mod_img, mod_txt, rope)
+        h: Stream = PendingConcat(c_s, x_s)
         for block in self.single_transformer_blocks:
-            h = block(h, mod_single, rope)
-        h = self.norm_out(h[:, c.shape[1] :], temb)
-        return self.proj_out(h)
+            if _has_hooks(block):
+                h = block(materialize(h), mod_single, rope)
+            else:
+                h = block.forward_streams(h, mod_single, rope)
+        if _has_hooks(self.norm_out):
+            out = self.norm_out(materialize(h)[:, txt_tokens:], temb)
+        else:
+            out = self.norm_out.forward_streams(h, txt_tokens, temb)
+        return self.proj_out(out)
 
     @classmethod
-    def _on_meta(cls, config: Flux2Config) -> "Flux2Transformer":
+    def _on_meta(cls, config: Flux2Config, fused: bool) -> "Flux2Transformer":
         """The module without storage, so loading or initialising never holds a throw-away copy."""
         with torch.device("meta"):
-            return cls(config)
+            return cls(config, fused=fused)
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+        cls,
+        path: str | Path,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        fused: bool = True,
     ) -> "Flux2Transformer":
         """Load a local diffusers-format folder, streaming shard by shard onto `device`.
 
@@ -528,7 +566,7 @@ class Flux2Transformer(nn.Module):
         except (TypeError, ValueError) as err:
             raise WeightsError(f"{folder / CONFIG_NAME}: {err}") from err
         files = shard_files(folder)
-        model = cls._on_meta(config)
+        model = cls._on_meta(config, fused)
         stream_into(model, files, device=device, dtype=dtype)
         return model
 
@@ -540,6 +578,7 @@ class Flux2Transformer(nn.Module):
         seed: int = 0,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        fused: bool = True,
     ) -> "Flux2Transformer":
         """Random weights made directly on `device` (no host copy), reproducible from `seed`.
 
@@ -550,7 +589,7 @@ class Flux2Transformer(nn.Module):
         at 1024x1024 with random inputs: max |stream| 9 after klein-4B's 25 blocks and 22 after dev's
         56, in bf16 and fp16 alike (no fp16 clipping), output std about 1.
         """
-        model = cls._on_meta(config).to(dtype=dtype).to_empty(device=device)
+        model = cls._on_meta(config, fused).to(dtype=dtype).to_empty(device=device)
         generator = torch.Generator(device=device).manual_seed(seed)
         for param in model.parameters():
             if param.ndim == 1:

@@ -78,8 +78,11 @@ def _stream_reason(name: str, t: Any, like: torch.Tensor | None) -> str | None:
         return f"{name} must be [B, T, D] or [T, D], got {tuple(t.shape)}"
     if like is not None and t.shape != like.shape:
         return f"{name} shape {tuple(t.shape)} differs from residual {tuple(like.shape)}"
-    if not t.is_contiguous():
-        return f"{name} is not contiguous"
+    # Rows must be dense; a batch stride is free (the output norm reads image rows of the joint stream).
+    if t.stride(-1) != 1 or (t.shape[-2] > 1 and t.stride(-2) != t.shape[-1]):
+        return f"{name} is not contiguous along its rows (needs strides (..., D, 1))"
+    if t.dim() == 3 and t.shape[0] > 1 and t.stride(0) % 4 != 0:
+        return f"{name} batch stride {t.stride(0)} is not a multiple of 4 elements"
     return None
 
 
@@ -208,18 +211,6 @@ def can_use_flux2_modnorm(x: Any, scale: Any, shift: Any) -> bool:
 # --------------------------------------------------------------------------- launching
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """[T, D] -> [1, T, D]; [B, T, D] unchanged (a view either way)."""
-    return t if t.dim() == 3 else t.unsqueeze(0)
-
-
-def _as_mod(t: torch.Tensor) -> torch.Tensor:
-    """Modulation as a [1|B, D] view with unit inner stride."""
-    if t.dim() == 3:
-        return t.squeeze(1)
-    return t.unsqueeze(0) if t.dim() == 1 else t
-
-
 @dataclass(frozen=True)
 class Segment:
     """Input rows of one stream: the residual, and for a gated site the pending `gate * update`."""
@@ -236,42 +227,42 @@ def launch(
     eps: float,
     *,
     write_residual: bool,
+    out_shape: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the kernel over one or two row segments (the second follows the first along tokens).
 
-    No validation: callers have checked the inputs with the guards or `_validate`. Returns
-    (out, residual_out) with residual_out None unless write_residual.
+    No validation: callers have checked the inputs with the guards. Returns (out, residual_out),
+    residual_out None unless write_residual. This is the per-site hot path, so it makes no tensor
+    views: the C++ side reads [T, D] / [B, T, D] streams and [D] / [B, D] / [B, 1, D] rows as given.
     """
     first = segments[0]
-    r0 = _as_rows(first.residual)
+    r0 = first.residual
+    if out_shape is None:
+        out_shape = list(r0.shape)
+        if len(segments) == 2:
+            out_shape[-2] += segments[1].residual.shape[-2]
+    out = torch.empty(out_shape, dtype=r0.dtype, device=r0.device)
+    residual_out = torch.empty(out_shape, dtype=r0.dtype, device=r0.device) if write_residual else None
     gated = first.update is not None
-    batch, dim = r0.shape[0], r0.shape[-1]
-    tokens = sum(s.residual.shape[-2] for s in segments)
-    out = torch.empty((batch, tokens, dim), dtype=r0.dtype, device=r0.device)
-    residual_out = torch.empty_like(out) if write_residual else None
     flags = (_FLAG_GATED if gated else 0) | (_FLAG_RESIDUAL_OUT if write_residual else 0)
-    args = [r0, _as_rows(first.update) if gated else r0, _as_mod(first.gate) if gated else r0]
+    seg0 = (r0, first.update, first.gate) if gated else (r0, r0, r0)
     if len(segments) == 2:
-        second = segments[1]
         flags |= _FLAG_TWO_SEGMENTS
-        r1 = _as_rows(second.residual)
-        args += [r1, _as_rows(second.update) if gated else r1, _as_mod(second.gate) if gated else r1]
+        second = segments[1]
+        seg1 = (second.residual, second.update, second.gate) if gated else (second.residual,) * 3
     else:
-        args += args
-    module = _CHECKER.module(r0.device)
-    module.gated_resnorm(
+        seg1 = seg0
+    _CHECKER.module(r0.device).gated_resnorm(
         out,
         residual_out if residual_out is not None else out,
-        _as_mod(scale),
-        _as_mod(shift),
-        *args,
-        first.residual.shape[-2],
+        scale,
+        shift,
+        *seg0,
+        *seg1,
+        r0.shape[-2],
         flags,
         float(eps),
     )
-    if first.residual.dim() == 2 and len(segments) == 1:
-        out = out.squeeze(0)
-        residual_out = residual_out.squeeze(0) if residual_out is not None else None
     return out, residual_out
 
 
@@ -294,9 +285,18 @@ def flux2_gated_resnorm_raw(
     ValueError (shapes, strides, alignment, sizes) naming the problem.
     """
     _validate(_shape_reason(residual, update, [("gate", gate), ("scale", scale), ("shift", shift)]))
-    out, residual_out = launch([Segment(residual, update, gate)], scale, shift, eps, write_residual=True)
+    # Eager broadcasting decides the output shapes, e.g. a [T, D] stream with [1, 1, D] rows gives [1, T, D].
+    residual_shape = torch.broadcast_shapes(residual.shape, gate.shape)
+    out, residual_out = launch(
+        [Segment(residual, update, gate)],
+        scale,
+        shift,
+        eps,
+        write_residual=True,
+        out_shape=torch.broadcast_shapes(residual_shape, scale.shape, shift.shape),
+    )
     assert residual_out is not None
-    return out, residual_out
+    return out, residual_out.view(residual_shape)
 
 
 def flux2_modnorm_raw(
@@ -304,7 +304,8 @@ def flux2_modnorm_raw(
 ) -> torch.Tensor:
     """The fused no-residual variant, `(1 + scale) * layer_norm(x) + shift`, unguarded by the self-check."""
     _validate(_shape_reason(x, None, [("scale", scale), ("shift", shift)]))
-    return launch([Segment(x)], scale, shift, eps, write_residual=False)[0]
+    out_shape = torch.broadcast_shapes(x.shape, scale.shape, shift.shape)
+    return launch([Segment(x)], scale, shift, eps, write_residual=False, out_shape=out_shape)[0]
 
 
 # --------------------------------------------------------------------------- self-check
@@ -379,7 +380,7 @@ class _Checker:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._modules: dict[str, Any] = {}
+        self._by_device: dict[torch.device, Any] = {}
         self._build_errors: dict[str, str] = {}
         self.records: dict[tuple[str, int, str, str], CheckRecord] = {}
         self._warned: set[str] = set()
@@ -391,15 +392,15 @@ class _Checker:
 
     def module(self, device: torch.device) -> Any:
         """The loaded kernel module for this device's architecture (raises BuildError)."""
-        arch = jit.device_arch(device)
-        mod = self._modules.get(arch)
+        mod = self._by_device.get(device)
         if mod is not None:
             return mod
+        arch = jit.device_arch(device)
         with self._lock:
             if arch in self._build_errors:
                 raise jit.BuildError(self._build_errors[arch])
             try:
-                mod = self._modules[arch] = jit.load_module(arch)
+                mod = self._by_device[device] = jit.load_module(arch)
             except Exception as exc:
                 self._build_errors[arch] = str(exc)
                 raise jit.BuildError(str(exc)) from exc

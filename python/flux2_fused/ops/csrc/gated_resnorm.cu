@@ -23,21 +23,40 @@ const T* ptr(const TensorView& t) {
   return reinterpret_cast<const T*>(static_cast<const char*>(t.data_ptr()) + t.byte_offset());
 }
 
+// Streams are [B, T, D] or [T, D] (one batch); modulation rows are [D], [B|1, D] or [B|1, 1, D].
+// Any batch and row strides, unit inner stride: FLUX.2's modulation chunks are strided views.
+struct RowLayout {
+  int64_t batch_stride, row_stride;
+};
+
+RowLayout stream_layout(const TensorView& t, const char* name) {
+  TVM_FFI_ICHECK((t.ndim() == 2 || t.ndim() == 3) && t.stride(-1) == 1)
+      << name << " must be a [B, T, D] or [T, D] view with unit inner stride";
+  if (t.ndim() == 2) return {0, t.stride(0)};
+  return {t.size(0) == 1 ? 0 : t.stride(0), t.stride(1)};
+}
+
+int64_t modulation_batch_stride(const TensorView& t, int64_t dim, const char* name) {
+  TVM_FFI_ICHECK(t.ndim() >= 1 && t.ndim() <= 3 && t.size(-1) == dim && t.stride(-1) == 1)
+      << name << " must be [D], [B, D] or [B, 1, D] with unit inner stride";
+  return (t.ndim() == 1 || t.size(0) == 1) ? 0 : t.stride(0);
+}
+
 template <typename T>
-Segment<T> make_segment(const TensorView& r, const TensorView& u, const TensorView& g, bool gated) {
-  TVM_FFI_ICHECK(r.ndim() == 3 && r.stride(2) == 1) << "residual must be a [B, T, D] view with unit stride";
+Segment<T> make_segment(const TensorView& r, const TensorView& u, const TensorView& g, int64_t dim,
+                        bool gated) {
   Segment<T> s{};
+  const RowLayout rl = stream_layout(r, "residual");
   s.residual = ptr<T>(r);
-  s.residual_batch_stride = r.stride(0);
-  s.residual_row_stride = r.stride(1);
+  s.residual_batch_stride = rl.batch_stride;
+  s.residual_row_stride = rl.row_stride;
   if (gated) {
-    TVM_FFI_ICHECK(u.ndim() == 3 && u.stride(2) == 1) << "update must be a [B, T, D] view with unit stride";
-    TVM_FFI_ICHECK(g.ndim() == 2 && g.stride(1) == 1) << "gate must be a [B or 1, D] view with unit stride";
+    const RowLayout ul = stream_layout(u, "update");
     s.update = ptr<T>(u);
-    s.update_batch_stride = u.stride(0);
-    s.update_row_stride = u.stride(1);
+    s.update_batch_stride = ul.batch_stride;
+    s.update_row_stride = ul.row_stride;
     s.gate = ptr<T>(g);
-    s.gate_batch_stride = g.size(0) == 1 ? 0 : g.stride(0);
+    s.gate_batch_stride = modulation_batch_stride(g, dim, "gate");
   }
   return s;
 }
@@ -73,15 +92,15 @@ void run(TensorView out, TensorView residual_out, TensorView scale, TensorView s
          TensorView u0, TensorView g0, TensorView r1, TensorView u1, TensorView g1, int64_t split,
          int64_t flags, double eps) {
   const bool gated = flags & kFlagGated;
-  TVM_FFI_ICHECK(out.ndim() == 3) << "out must be [B, T, D]";
-  const int64_t batch = out.size(0), tokens = out.size(1), dim = out.size(2);
+  TVM_FFI_ICHECK(out.ndim() == 2 || out.ndim() == 3) << "out must be [B, T, D] or [T, D]";
+  const int64_t dim = out.size(-1);
+  const int64_t tokens = out.size(-2);
+  const int64_t batch = out.ndim() == 3 ? out.size(0) : 1;
   TVM_FFI_ICHECK(dim % 4 == 0 && dim > 0) << "D must be a positive multiple of 4";
-  TVM_FFI_ICHECK(scale.ndim() == 2 && shift.ndim() == 2 && scale.size(1) == dim && shift.size(1) == dim)
-      << "scale and shift must be [B or 1, D]";
 
   Params<T> p{};
-  p.seg[0] = make_segment<T>(r0, u0, g0, gated);
-  p.seg[1] = (flags & kFlagTwoSegments) ? make_segment<T>(r1, u1, g1, gated) : p.seg[0];
+  p.seg[0] = make_segment<T>(r0, u0, g0, dim, gated);
+  p.seg[1] = (flags & kFlagTwoSegments) ? make_segment<T>(r1, u1, g1, dim, gated) : p.seg[0];
   p.split = (flags & kFlagTwoSegments) ? split : tokens;
   p.rows_per_batch = tokens;
   p.out = static_cast<T*>(const_cast<void*>(static_cast<const void*>(ptr<T>(out))));
@@ -90,8 +109,8 @@ void run(TensorView out, TensorView residual_out, TensorView scale, TensorView s
                        : nullptr;
   p.scale = ptr<T>(scale);
   p.shift = ptr<T>(shift);
-  p.scale_batch_stride = scale.size(0) == 1 ? 0 : scale.stride(0);
-  p.shift_batch_stride = shift.size(0) == 1 ? 0 : shift.stride(0);
+  p.scale_batch_stride = modulation_batch_stride(scale, dim, "scale");
+  p.shift_batch_stride = modulation_batch_stride(shift, dim, "shift");
   p.dim = static_cast<int32_t>(dim);
   p.eps = static_cast<float>(eps);
 

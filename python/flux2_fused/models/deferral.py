@@ -1,0 +1,129 @@
+"""Deferred gated residuals: `x + gate * update` left pending until the next LayerNorm consumes it.
+
+A FLUX.2 residual stream is updated and then immediately re-read by a LayerNorm + adaLN. Instead of
+materializing `x + gate * update` (two eager kernels) and then normalizing (four more), a block hands
+on a `PendingGatedResidual` and the next norm runs one fused kernel that writes both the new stream
+and the modulated norm. Whatever reads a stream otherwise (a concat, a slice, a hook, an fp16 clip,
+a block's public forward) calls `materialize`, which is the eager chain itself, so a declined or
+disabled fast path gives the same bits by the same code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops import gated_resnorm as ops
+
+
+@dataclass(frozen=True)
+class PendingGatedResidual:
+    """`residual + gate * update`, not yet computed. residual and update are [B, T, D]."""
+
+    residual: torch.Tensor
+    update: torch.Tensor
+    gate: torch.Tensor
+
+    def materialize(self) -> torch.Tensor:
+        return self.residual + self.gate * self.update
+
+    def rows(self, start: int) -> PendingGatedResidual:
+        """The same pending update restricted to tokens [start:] (views; nothing is computed)."""
+        return PendingGatedResidual(self.residual[:, start:], self.update[:, start:], self.gate)
+
+
+@dataclass(frozen=True)
+class PendingConcat:
+    """`cat([first, second], dim=1)` of two streams, either of which may still be pending."""
+
+    first: Stream
+    second: Stream
+
+    def materialize(self) -> torch.Tensor:
+        return torch.cat([materialize(self.first), materialize(self.second)], dim=1)
+
+
+Stream = torch.Tensor | PendingGatedResidual | PendingConcat
+
+
+def materialize(stream: Stream) -> torch.Tensor:
+    """The stream as a real tensor: the eager gated add (or concat) where something is pending."""
+    return stream if isinstance(stream, torch.Tensor) else stream.materialize()
+
+
+class ResidualFusion:
+    """Where each residual site goes: fused (deferred) when the guards prove it exact, else eager.
+
+    One instance is shared by a model and its blocks; `enabled` is the model's `fused` switch.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+
+    def _active(self) -> bool:
+        # Under torch.compile the guards (data pointers, live self-checks) cannot be traced: eager.
+        return self.enabled and not torch.compiler.is_compiling()
+
+    def add(self, x: Stream, gate: torch.Tensor, update: torch.Tensor, clip_fp16: bool = False) -> Stream:
+        """`x + gate * update`, deferred where the next fused norm can consume it.
+
+        clip_fp16: diffusers saturates this stream at +-65504 in fp16, which must happen before any
+        reader, so such a site is always materialized.
+        """
+        x = materialize(x)
+        if clip_fp16 and x.dtype == torch.float16:
+            return (x + gate * update).clip(-65504.0, 65504.0)
+        if self._active() and ops.can_defer_flux2_gated_residual(x, update, gate):
+            return PendingGatedResidual(x, update, gate)
+        return x + gate * update
+
+    def norm(
+        self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the stream materialized, `(1 + scale) * layer_norm(stream) + shift`), in one launch when
+        the stream is pending and the fused kernel accepts the call."""
+        if self._active():
+            fused = self._fused_norm(x, scale, shift, eps, write_residual=True)
+            if fused is not None:
+                stream, out = fused
+                return (stream if stream is not None else materialize(x)), out
+        x = materialize(x)
+        return x, ops.modnorm_reference(x, scale, shift, eps)
+
+    def output_norm(
+        self, x: Stream, start: int, scale: torch.Tensor, shift: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """The modulated norm of tokens [start:] of a stream that nothing reads afterwards: the
+        pending update of the other tokens is never computed and the stream itself never written."""
+        if self._active() and isinstance(x, PendingGatedResidual):
+            fused = self._fused_norm(x.rows(start), scale, shift, eps, write_residual=False)
+            if fused is not None:
+                return fused[1]
+        rows = materialize(x)[:, start:]
+        return self.norm(rows, scale, shift, eps)[1]
+
+    def _fused_norm(
+        self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float, write_residual: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """(materialized stream or None, modulated norm) from one fused launch, or None if declined."""
+        if isinstance(x, torch.Tensor):
+            segments = [ops.Segment(x)]
+            ok = ops.can_use_flux2_modnorm(x, scale, shift)
+        elif isinstance(x, PendingGatedResidual):
+            segments = [ops.Segment(x.residual, x.update, x.gate)]
+            ok = ops.can_use_flux2_gated_resnorm(x.residual, x.update, x.gate, scale, shift)
+        else:
+            first, second = x.first, x.second
+            if not (isinstance(first, PendingGatedResidual) and isinstance(second, PendingGatedResidual)):
+                return None
+            segments = [ops.Segment(s.residual, s.update, s.gate) for s in (first, second)]
+            ok = (
+                first.residual.shape[0] == second.residual.shape[0]
+                and ops.can_use_flux2_gated_resnorm(first.residual, first.update, first.gate, scale, shift)
+                and ops.can_use_flux2_gated_resnorm(second.residual, second.update, second.gate, scale, shift)
+            )
+        if not ok:
+            return None
+        out, residual = ops.launch(segments, scale, shift, eps, write_residual=write_residual)
+        return residual, out
