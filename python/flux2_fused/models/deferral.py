@@ -82,12 +82,11 @@ class ResidualFusion:
         self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the stream materialized, `(1 + scale) * layer_norm(stream) + shift`), in one launch when
-        the stream is pending and the fused kernel accepts the call."""
+        the fused kernel accepts the call."""
         if self._active():
             fused = self._fused_norm(x, scale, shift, eps, write_residual=True)
             if fused is not None:
-                stream, out = fused
-                return (stream if stream is not None else materialize(x)), out
+                return fused
         x = materialize(x)
         return x, ops.modnorm_reference(x, scale, shift, eps)
 
@@ -99,31 +98,37 @@ class ResidualFusion:
         if self._active() and isinstance(x, PendingGatedResidual):
             fused = self._fused_norm(x.rows(start), scale, shift, eps, write_residual=False)
             if fused is not None:
-                return fused[1]
+                return fused[1]  # the stream slot holds a placeholder: nothing reads it
         rows = materialize(x)[:, start:]
         return self.norm(rows, scale, shift, eps)[1]
 
     def _fused_norm(
         self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float, write_residual: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-        """(materialized stream or None, modulated norm) from one fused launch, or None if declined."""
-        if isinstance(x, torch.Tensor):
-            segments = [ops.Segment(x)]
-            ok = ops.can_use_flux2_modnorm(x, scale, shift)
-        elif isinstance(x, PendingGatedResidual):
-            segments = [ops.Segment(x.residual, x.update, x.gate)]
-            ok = ops.can_use_flux2_gated_resnorm(x.residual, x.update, x.gate, scale, shift)
-        else:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(stream, modulated norm) from one fused launch, or None where the guards decline.
+
+        The stream is the materialized pending update (only written when write_residual), else x.
+        A concat of two pending updates is written straight into its buffer by a two-segment launch;
+        a concat with a real stream in it is materialized first (an fp16 clip site).
+        """
+        if isinstance(x, PendingConcat):
             first, second = x.first, x.second
-            if not (isinstance(first, PendingGatedResidual) and isinstance(second, PendingGatedResidual)):
+            if isinstance(first, PendingGatedResidual) and isinstance(second, PendingGatedResidual):
+                if first.residual.shape[0] != second.residual.shape[0] or not all(
+                    ops.can_use_flux2_gated_resnorm(p.residual, p.update, p.gate, scale, shift)
+                    for p in (first, second)
+                ):
+                    return None
+                segments = [ops.Segment(p.residual, p.update, p.gate) for p in (first, second)]
+                out, residual = ops.launch(segments, scale, shift, eps, write_residual=write_residual)
+                return (residual if residual is not None else x.first.residual), out
+            x = x.materialize()
+        if isinstance(x, PendingGatedResidual):
+            if not ops.can_use_flux2_gated_resnorm(x.residual, x.update, x.gate, scale, shift):
                 return None
-            segments = [ops.Segment(s.residual, s.update, s.gate) for s in (first, second)]
-            ok = (
-                first.residual.shape[0] == second.residual.shape[0]
-                and ops.can_use_flux2_gated_resnorm(first.residual, first.update, first.gate, scale, shift)
-                and ops.can_use_flux2_gated_resnorm(second.residual, second.update, second.gate, scale, shift)
-            )
-        if not ok:
+            segment = ops.Segment(x.residual, x.update, x.gate)
+            out, residual = ops.launch([segment], scale, shift, eps, write_residual=write_residual)
+            return (residual if residual is not None else x.residual), out
+        if not ops.can_use_flux2_modnorm(x, scale, shift):
             return None
-        out, residual = ops.launch(segments, scale, shift, eps, write_residual=write_residual)
-        return residual, out
+        return x, ops.launch([ops.Segment(x)], scale, shift, eps, write_residual=False)[0]

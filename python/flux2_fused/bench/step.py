@@ -1,0 +1,168 @@
+"""Whole-transformer benchmark: one denoise step (one forward) at 1024x1024, eager vs fused.
+
+    python -m flux2_fused.bench.step [--configs dev klein-4b] [--steps 7] [--batch 1] [--json FILE]
+
+Random weights built on the GPU; the same model runs with `fused = False` and `fused = True` on the
+same inputs, interleaved step by step (CUDA events, medians after a warm-up step of each). Reports
+the median step time, the speedup, CUDA kernel launches per step (torch.profiler), the fused-kernel
+launches, and the SHA-256 of both outputs (identical when the fused path is bit-exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ..models.flux2 import Flux2Config, Flux2Transformer
+
+FUSED_KERNEL = "gated_resnorm_kernel"
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes (as stored), so equal hashes mean bit-identical results."""
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+def kernel_launches(fn: Callable[[], object]) -> tuple[int, int]:
+    """(all CUDA kernels, fused-kernel launches) that one call of `fn` runs, counted by torch.profiler."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(kernels), sum(FUSED_KERNEL in e.name for e in kernels)
+
+
+def step_inputs(
+    config: Flux2Config, batch: int, img_tokens: int, txt_tokens: int, dtype: torch.dtype
+) -> dict:
+    """Fresh random latents and text embeddings with FLUX.2's position ids, on the GPU."""
+    side = int(img_tokens**0.5)
+    rows = torch.arange(img_tokens, device="cuda")
+    zeros = torch.zeros_like(rows)
+    img_ids = torch.stack([zeros, rows // side, rows % side, zeros], -1)
+    t = torch.arange(txt_tokens, device="cuda")
+    txt_ids = torch.stack([torch.zeros_like(t)] * 3 + [t], -1)
+    return {
+        "hidden_states": torch.randn(batch, img_tokens, config.in_channels, device="cuda", dtype=dtype),
+        "encoder_hidden_states": torch.randn(
+            batch, txt_tokens, config.joint_attention_dim, device="cuda", dtype=dtype
+        ),
+        "timestep": torch.full((batch,), 0.5, device="cuda"),
+        "img_ids": img_ids,
+        "txt_ids": txt_ids,
+        "guidance": torch.full((batch,), 4.0, device="cuda") if config.guidance_embeds else None,
+    }
+
+
+@dataclass
+class StepResult:
+    config: str
+    batch: int
+    img_tokens: int
+    txt_tokens: int
+    eager_ms: float
+    fused_ms: float
+    speedup_pct: float
+    eager_kernels: int
+    fused_kernels: int
+    fused_kernel_launches: int
+    eager_sha256: str
+    fused_sha256: str
+    bit_exact: bool
+
+
+def bench_config(name: str, steps: int, batch: int, img_tokens: int, txt_tokens: int) -> StepResult:
+    config = Flux2Config.preset(name)
+    model = Flux2Transformer.random(config, seed=0, device="cuda", dtype=torch.bfloat16)
+    inputs = step_inputs(config, batch, img_tokens, txt_tokens, torch.bfloat16)
+
+    def run(fused: bool) -> torch.Tensor:
+        model.fused = fused
+        return model(**inputs)
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    with torch.inference_mode():
+        outputs = {mode: run(mode) for mode in (False, True)}  # warm-up; the fused one self-checks
+        for _ in range(steps):
+            for mode in (False, True):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run(mode)
+                end.record()
+                end.synchronize()
+                times[mode].append(start.elapsed_time(end))
+        eager_kernels, _ = kernel_launches(lambda: run(False))
+        fused_kernels, fused_launches = kernel_launches(lambda: run(True))
+    eager_ms, fused_ms = statistics.median(times[False]), statistics.median(times[True])
+    result = StepResult(
+        config=name,
+        batch=batch,
+        img_tokens=img_tokens,
+        txt_tokens=txt_tokens,
+        eager_ms=eager_ms,
+        fused_ms=fused_ms,
+        speedup_pct=100 * (eager_ms / fused_ms - 1),
+        eager_kernels=eager_kernels,
+        fused_kernels=fused_kernels,
+        fused_kernel_launches=fused_launches,
+        eager_sha256=tensor_sha256(outputs[False]),
+        fused_sha256=tensor_sha256(outputs[True]),
+        bit_exact=torch.equal(outputs[False], outputs[True]),
+    )
+    return result
+
+
+def format_table(results: list[StepResult]) -> str:
+    lines = [
+        f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16, random weights",
+        "| config | B | tokens (img+txt) | eager ms | fused ms | speedup | kernels/step eager -> fused "
+        "| fused launches | bit-exact | SHA-256 (both) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        sha = r.fused_sha256[:16] if r.bit_exact else f"{r.eager_sha256[:12]} / {r.fused_sha256[:12]}"
+        lines.append(
+            f"| {r.config} | {r.batch} | {r.img_tokens}+{r.txt_tokens} | {r.eager_ms:.1f} | {r.fused_ms:.1f} "
+            f"| {r.speedup_pct:+.1f}% | {r.eager_kernels} -> {r.fused_kernels} | {r.fused_kernel_launches} "
+            f"| {'yes' if r.bit_exact else 'NO'} | {sha} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--configs", nargs="*", default=["dev", "klein-4b"], choices=["dev", "klein-4b", "klein-9b"]
+    )
+    parser.add_argument("--steps", type=int, default=7, help="timed steps per mode (median)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--img-tokens", type=int, default=4096, help="4096 = 1024x1024")
+    parser.add_argument("--txt-tokens", type=int, default=512)
+    parser.add_argument("--json", help="write the results to this JSON file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("flux2-fused step benchmark: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    results = []
+    for name in args.configs:
+        results.append(bench_config(name, args.steps, args.batch, args.img_tokens, args.txt_tokens))
+        gc.collect()  # drop the previous model (dev is 64 GB) before building the next
+        torch.cuda.empty_cache()
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([asdict(r) for r in results], fh, indent=2)
+    return 0 if all(r.bit_exact for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
