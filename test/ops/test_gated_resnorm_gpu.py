@@ -86,7 +86,7 @@ def test_two_dimensional_stream(gen):
     gate, scale, shift = _modulation(1, 3072, torch.bfloat16, "broadcast", gen)
     out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
     ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
-    assert out.shape == residual.shape
+    assert out.shape == ref_out.shape and residual_out.shape == ref_residual.shape  # eager broadcasting
     assert bits_equal(residual_out, ref_residual) and bits_equal(out, ref_out)
 
 
@@ -173,7 +173,7 @@ def test_gpu_guard_rejections(gen):
     residual, update = _rows(1, 16, dim, torch.bfloat16, gen), _rows(1, 16, dim, torch.bfloat16, gen)
     gate, scale, shift = _modulation(1, dim, torch.bfloat16, "strided", gen)
     cases = {
-        "not contiguous": (residual.transpose(0, 1), update.transpose(0, 1), gate, scale, shift),
+        "not contiguous": (residual[:, ::2], update[:, ::2], gate, scale, shift),
         "aligned": (residual.flatten()[1 : -(dim - 1)].view(1, 15, dim), update[:, 1:], gate, scale, shift),
         "differs from residual": (residual, update[:, 1:], gate, scale, shift),
         "float32": (residual, update, gate.float(), scale, shift),

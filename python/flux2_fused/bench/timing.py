@@ -44,8 +44,12 @@ def interleaved_median_us(
     return [statistics.median(s) for s in samples]
 
 
-def graphed(fn: Callable[[], object]) -> Callable[[], None]:
-    """`fn` captured once in a CUDA graph; the returned callable replays it (no launch gaps)."""
+def graphed(fn: Callable[[], object], repeats: int = 1) -> Callable[[], None]:
+    """`fn` captured `repeats` times in one CUDA graph; the returned callable replays it.
+
+    Time a replay and divide by `repeats` for the per-call GPU time without launch gaps: one capture
+    per call would still pay the graph launch itself, which dwarfs a 10 us kernel.
+    """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -54,7 +58,8 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(repeats):
+            fn()
     return graph.replay
 
 

@@ -266,6 +266,14 @@ def launch(
     return out, residual_out
 
 
+def _eager_shape(stream: torch.Tensor, *rows: torch.Tensor) -> torch.Size:
+    """The shape eager broadcasting gives `stream` op'd with accepted modulation rows: a [T, D] stream
+    with a [1, 1, D] row becomes [1, T, D]. (torch.broadcast_shapes costs ~20 us a call.)"""
+    if stream.dim() == 2 and any(t.dim() == 3 for t in rows):
+        return torch.Size((1, *stream.shape))
+    return stream.shape
+
+
 def _validate(reason: str | None) -> None:
     if reason is not None:
         raise (TypeError if isinstance(reason, TypeReason) else ValueError)(f"flux2-fused: {reason}")
@@ -285,15 +293,10 @@ def flux2_gated_resnorm_raw(
     ValueError (shapes, strides, alignment, sizes) naming the problem.
     """
     _validate(_shape_reason(residual, update, [("gate", gate), ("scale", scale), ("shift", shift)]))
-    # Eager broadcasting decides the output shapes, e.g. a [T, D] stream with [1, 1, D] rows gives [1, T, D].
-    residual_shape = torch.broadcast_shapes(residual.shape, gate.shape)
+    residual_shape = _eager_shape(residual, gate)
+    out_shape = _eager_shape(residual, gate, scale, shift)
     out, residual_out = launch(
-        [Segment(residual, update, gate)],
-        scale,
-        shift,
-        eps,
-        write_residual=True,
-        out_shape=torch.broadcast_shapes(residual_shape, scale.shape, shift.shape),
+        [Segment(residual, update, gate)], scale, shift, eps, write_residual=True, out_shape=out_shape
     )
     assert residual_out is not None
     return out, residual_out.view(residual_shape)
@@ -304,7 +307,7 @@ def flux2_modnorm_raw(
 ) -> torch.Tensor:
     """The fused no-residual variant, `(1 + scale) * layer_norm(x) + shift`, unguarded by the self-check."""
     _validate(_shape_reason(x, None, [("scale", scale), ("shift", shift)]))
-    out_shape = torch.broadcast_shapes(x.shape, scale.shape, shift.shape)
+    out_shape = _eager_shape(x, scale, shift)
     return launch([Segment(x)], scale, shift, eps, write_residual=False, out_shape=out_shape)[0]
 
 
