@@ -1,0 +1,178 @@
+"""The `flux2-fused` command (also `python -m flux2_fused`): argument parsing and dispatch only.
+
+    flux2-fused bench [--config NAME | --weights PATH] [--height PX --width PX] [--steps N] [--batch N]
+                      [--text-tokens N] [--seed N] [--dtype bf16|fp16|fp32] [--json FILE] [--plot FILE.png]
+    flux2-fused kernel [ARGS...]      the single-site kernel benchmark (python -m flux2_fused.bench.kernel)
+    flux2-fused verify                the kernel's bit-exactness self-check on this GPU
+    flux2-fused build [--arch 9.0 ...]  compile the kernels (no GPU needed) and print the libraries
+
+The work is in `flux2_fused.bench.denoise` (bench, verify, build) and `flux2_fused.bench.kernel`.
+Every failure is one line on stderr, `flux2-fused: error: ...`, and a non-zero exit status (2 for
+bad values and a missing GPU, like argparse's usage errors; 1 otherwise); `--debug` re-raises it
+with its traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .bench import denoise, kernel
+from .models.weights import WeightsError
+from .ops import jit
+
+PROG = "flux2-fused"
+HELP_FLAGS = frozenset({"-h", "--help"})
+
+
+def _arch(text: str) -> str:
+    """--arch values in tvm-ffi's form, rejected at parse time (a usage error) when unrecognizable."""
+    try:
+        return jit.normalize_arch(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _bench(args: argparse.Namespace, _extra: list[str]) -> int:
+    request = denoise.BenchRequest(
+        config=args.config,
+        weights=args.weights,
+        height=args.height,
+        width=args.width,
+        steps=args.steps,
+        batch=args.batch,
+        text_tokens=args.text_tokens,
+        seed=args.seed,
+        dtype=args.dtype,
+    )
+    return denoise.bench_command(request, args.json, args.plot)
+
+
+def _kernel(_args: argparse.Namespace, extra: list[str]) -> int:
+    if not HELP_FLAGS & set(extra):  # its --help works anywhere
+        denoise.require_cuda("the kernel benchmark")
+    return kernel.main(extra)
+
+
+def _verify(_args: argparse.Namespace, _extra: list[str]) -> int:
+    return denoise.verify_command()
+
+
+def _build(args: argparse.Namespace, _extra: list[str]) -> int:
+    return denoise.build_command(args.arch or denoise.default_archs())
+
+
+Handler = Callable[[argparse.Namespace, list[str]], int]
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and its subcommand parsers by name."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Lossless fused kernels for FLUX.2: benchmark, verify, build."
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show tracebacks instead of one-line errors (for kernel: before the command)",
+    )
+    # SUPPRESS: a subcommand's --debug must not reset one given before the subcommand.
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show tracebacks instead of one-line errors",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,kernel,verify,build}")
+    subparsers: dict[str, argparse.ArgumentParser] = {}
+
+    def add(name: str, handler: Handler, help_text: str, **kwargs: object) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text, **kwargs)
+        p.set_defaults(handler=handler)
+        subparsers[name] = p
+        return p
+
+    bench = add(
+        "bench",
+        _bench,
+        "denoise loop, eager vs fused on one model: step time, launches, kernel time by site, bit-exactness",
+        parents=[debug],
+        epilog="The --json fields are documented in flux2_fused.bench.denoise.",
+    )
+    source = bench.add_mutually_exclusive_group()
+    source.add_argument(
+        "--config",
+        choices=denoise.PRESETS,
+        help="preset with random weights (default: dev on a GPU with room for it, klein-4b on a smaller "
+        "GPU, tiny on the CPU)",
+    )
+    source.add_argument(
+        "--weights", type=Path, metavar="PATH", help="diffusers-format folder (config.json decides the model)"
+    )
+    sides = f"pixels, a multiple of 16 (default {denoise.GPU_SIDE} on a GPU, {denoise.CPU_SIDE} on the CPU)"
+    bench.add_argument("--height", type=int, metavar="PX", help=sides)
+    bench.add_argument("--width", type=int, metavar="PX", help=sides)
+    for option, default, what in (
+        ("--steps", denoise.DEFAULT_STEPS, "timed denoise steps a mode"),
+        ("--batch", 1, "batch size"),
+        ("--text-tokens", denoise.DEFAULT_TEXT_TOKENS, "text tokens a sample"),
+        ("--seed", 0, "seed of the weights, latents and text embeddings"),
+    ):
+        bench.add_argument(option, type=int, default=default, metavar="N", help=f"{what} (default {default})")
+    bench.add_argument("--dtype", choices=list(denoise.DTYPES), help="default bf16 on a GPU, fp32 on the CPU")
+    bench.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    bench.add_argument(
+        "--plot", type=Path, metavar="FILE.png", help="draw step and kernel times (needs matplotlib)"
+    )
+
+    # No options of its own and no help flag: everything after `kernel` goes to the kernel benchmark.
+    add(
+        "kernel",
+        _kernel,
+        "single-site kernel benchmark; arguments pass through (try: kernel --help)",
+        add_help=False,
+    )
+    add("verify", _verify, "bit-exactness self-check of the fused kernel on this GPU", parents=[debug])
+    build = add(
+        "build", _build, "compile the kernels (nvcc, no GPU needed) and print the libraries", parents=[debug]
+    )
+    build.add_argument(
+        "--arch",
+        action="append",
+        type=_arch,
+        help="CUDA architecture, repeatable, e.g. 9.0 10.0 (default: this GPU's, else 9.0 and 10.0)",
+    )
+    return parser, subparsers
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error as one line; the rest of a multi-line message (a compiler log) is left to --debug."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    more = f" (+{len(lines) - 1} more lines; --debug shows them)" if len(lines) > 1 else ""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return f"out of GPU memory: {lines[0]}{more}; try a smaller --config, --height/--width or --batch"
+    if isinstance(exc, denoise.BenchError | WeightsError | jit.BuildError | OSError):
+        return lines[0] + more
+    return f"{type(exc).__name__}: {lines[0]}{more} (unexpected; --debug shows the traceback)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status (the console script passes it to sys.exit)."""
+    parser, subparsers = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "kernel":
+        subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.handler(args, extra)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        return getattr(exc, "exit_code", 1)

@@ -1,0 +1,309 @@
+"""CPU tests of the `flux2-fused` command: bench at the tiny config, its JSON and PNG, every error path,
+and the GPU-only commands' refusals. Timings are printed, never asserted."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flux2_fused.bench import denoise
+from flux2_fused.cli import main
+from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
+from flux2_fused.models.weights import WeightsError
+from flux2_fused.ops import jit
+
+PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
+# Small enough for milliseconds a step, with a non-square image grid and a batch of two.
+TINY_ARGS = ["--config", "tiny", "--height", "64", "--width", "96", "--steps", "3", "--text-tokens", "24"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA GPU")
+
+
+def run_cli(args: list[str]) -> tuple[int, str, str]:
+    """main(args) in-process: (exit status, stdout, stderr); argparse's SystemExit becomes the status."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(args)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return code, out.getvalue(), err.getvalue()
+
+
+def documented_fields() -> tuple[set[str], set[str]]:
+    """The JSON fields the module docstring of bench/denoise.py documents: (top level, per mode)."""
+    doc = denoise.__doc__ or ""
+    return set(re.findall(r"^- (\w+):", doc, re.MULTILINE)), set(
+        re.findall(r"^  - (\w+):", doc, re.MULTILINE)
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One in-process `bench` at the tiny config, batch 2, with --json and --plot, shared by the tests."""
+    folder = tmp_path_factory.mktemp("bench")
+    json_path, png_path = folder / "report.json", folder / "report.png"
+    code, out, err = run_cli(
+        ["bench", *TINY_ARGS, "--batch", "2", "--json", str(json_path), "--plot", str(png_path)]
+    )
+    return {"code": code, "out": out, "err": err, "json": json_path, "png": png_path}
+
+
+def test_bench_tiny_runs_and_reports(tiny_run: dict) -> None:
+    assert tiny_run["code"] == 0, tiny_run["err"]
+    out = tiny_run["out"]
+    assert "flux2-fused bench: tiny" in out
+    assert "64x96 px = 24 image + 24 text tokens, batch 2" in out
+    assert re.search(r"^\| eager \|", out, re.MULTILINE) and re.search(r"^\| fused \|", out, re.MULTILINE)
+    assert "bit-exact: yes" in out
+    shas = re.findall(r"sha256 (eager|fused) ([0-9a-f]{64})", out)
+    assert [mode for mode, _ in shas] == ["eager", "fused"] and shas[0][1] == shas[1][1]
+
+
+def test_json_has_every_documented_field(tiny_run: dict) -> None:
+    report = json.loads(tiny_run["json"].read_text())
+    top, per_mode = documented_fields()
+    assert len(top) > 20 and len(per_mode) >= 7  # the docstring's lists were found
+    assert set(report) == top
+    for mode in denoise.MODES:
+        result = report[mode]
+        assert set(result) == per_mode
+        assert len(result["step_ms"]) == report["steps"] == 3
+        assert set(result["site_ms"]) == set(result["site_launches"]) == set(denoise.SITES)
+        assert sum(result["site_launches"].values()) == result["launches_per_step"] > 0
+    assert (report["config"], report["dtype"], report["batch"]) == (
+        "tiny",
+        "fp32" if report["gpu"] is None else "bf16",
+        2,
+    )
+    assert (report["image_tokens"], report["text_tokens"], report["guidance"]) == (4 * 6, 24, 4.0)
+    assert report["bit_exact"] and report["eager"]["sha256"] == report["fused"]["sha256"]
+    if report["gpu"] is None:
+        assert not report["fused_active"] and "CUDA" in report["fused_status"]
+
+
+def test_plot_is_a_png_matplotlib_reads(tiny_run: dict) -> None:
+    png = tiny_run["png"]
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+    image = pytest.importorskip("matplotlib.image").imread(png)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+@no_cuda
+def test_default_bench_picks_tiny_on_the_cpu() -> None:
+    code, out, err = run_cli(["bench"])
+    assert code == 0, err
+    assert "flux2-fused: no CUDA GPU: the fused path needs one" in err
+    assert "flux2-fused bench: tiny" in out and f"{denoise.CPU_SIDE}x{denoise.CPU_SIDE} px" in out
+    assert "bit-exact: yes" in out
+
+
+def test_entry_point_python_m() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")])}
+    args = [
+        "bench",
+        "--config",
+        "tiny",
+        "--height",
+        "32",
+        "--width",
+        "32",
+        "--steps",
+        "1",
+        "--text-tokens",
+        "8",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "flux2_fused", *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "bit-exact: yes" in proc.stdout
+
+
+def test_bench_from_a_weights_folder(tmp_path: Path) -> None:
+    Flux2Transformer.random(Flux2Config.preset("tiny"), seed=5).save_pretrained(tmp_path / "weights")
+    json_path = tmp_path / "report.json"
+    args = ["bench", "--weights", str(tmp_path / "weights"), *TINY_ARGS[2:], "--json", str(json_path)]
+    code, _out, err = run_cli(args)
+    assert code == 0, err
+    report = json.loads(json_path.read_text())
+    assert report["config"] == "tiny" and report["weights"] == str(tmp_path / "weights")
+
+
+def _malformed_weights(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text('{"num_layers": "eight"}')
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("make_args", "code", "message"),
+    [
+        (lambda tmp: ["--weights", str(tmp / "missing")], 1, "does not exist"),
+        (lambda tmp: ["--weights", str(_malformed_weights(tmp))], 1, "config.json: invalid num_layers"),
+        (lambda tmp: ["--height", "1000"], 2, "--height 1000 is not a positive multiple of 16"),
+        (lambda tmp: ["--width", "0"], 2, "--width 0 is not a positive multiple of 16"),
+        (lambda tmp: ["--steps", "0"], 2, "--steps must be at least 1"),
+        (lambda tmp: ["--batch", "-1"], 2, "--batch must be at least 1"),
+        (lambda tmp: ["--json", str(tmp / "no-such-folder" / "r.json")], 2, "does not exist"),
+    ],
+    ids=["missing-weights", "malformed-weights", "height", "width", "steps", "batch", "json-folder"],
+)
+def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message: str) -> None:
+    status, out, err = run_cli(["bench", *make_args(tmp_path)])
+    assert status == code
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("flux2-fused: error: ") and message in errors[0], err
+    assert "Traceback" not in err and "bit-exact" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bench", "--config", "huge"], "invalid choice: 'huge'"),
+        (["bench", "--config", "tiny", "--weights", "w"], "not allowed with argument"),
+        (["bench", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["build", "--arch", "hopper"], "unrecognized CUDA architecture 'hopper'"),
+        ([], "the following arguments are required"),
+    ],
+    ids=["unknown-config", "config-and-weights", "unknown-option", "bad-arch", "no-command"],
+)
+def test_usage_errors_exit_2(args: list[str], message: str) -> None:
+    code, _out, err = run_cli(args)
+    assert code == 2 and message in err
+
+
+@pytest.mark.parametrize("debug_first", [True, False], ids=["before-command", "after-command"])
+def test_debug_raises_the_exception(tmp_path: Path, debug_first: bool) -> None:
+    bench = ["bench", "--weights", str(tmp_path / "missing")]
+    with pytest.raises(WeightsError, match="does not exist"):
+        main(["--debug", *bench] if debug_first else [*bench, "--debug"])
+
+
+@pytest.mark.parametrize(
+    ("exc", "message"),
+    [
+        (
+            torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64 GiB\nmore detail"),
+            "out of GPU memory",
+        ),
+        (RuntimeError("boom"), "RuntimeError: boom"),
+    ],
+    ids=["oom", "unexpected"],
+)
+def test_runtime_errors_are_one_line(monkeypatch: pytest.MonkeyPatch, exc: Exception, message: str) -> None:
+    def fail(_plan: denoise.Plan) -> None:
+        raise exc
+
+    monkeypatch.setattr(denoise, "build_model", fail)
+    code, _out, err = run_cli(["bench", *TINY_ARGS])
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and last.startswith("flux2-fused: error: ") and message in last
+    assert "Traceback" not in err
+
+
+def test_a_difference_between_the_modes_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The verdict is computed, not assumed: skew the fused mode's latents and the run must fail."""
+    real_step = denoise.euler_step
+
+    def skewed_step(model: Flux2Transformer, x: torch.Tensor, *args: object) -> torch.Tensor:
+        out = real_step(model, x, *args)
+        return out + 1 if model.fused else out
+
+    monkeypatch.setattr(denoise, "euler_step", skewed_step)
+    code, out, err = run_cli(["bench", *TINY_ARGS])
+    shas = dict(re.findall(r"sha256 (eager|fused) ([0-9a-f]{64})", out))
+    assert code == 1 and "bit-exact: NO" in out and shas["eager"] != shas["fused"]
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith("flux2-fused: error: the fused and eager final latents differ")
+    )
+
+
+def test_plot_without_matplotlib_fails_before_the_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec() then reports it missing
+    code, out, err = run_cli(["bench", *TINY_ARGS, "--plot", str(tmp_path / "p.png")])
+    assert code == 1 and out == "" and "--plot needs matplotlib" in err
+    assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "site"),
+    [
+        ("void gated_resnorm_kernel<__nv_bfloat16, 12>(Params<__nv_bfloat16>)", "fused"),
+        (
+            "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>",
+            "norm",
+        ),
+        (
+            "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>",
+            "elementwise",
+        ),
+        (
+            "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl<MulFunctor<float>>>",
+            "elementwise",
+        ),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "other"),
+        ("aten::native_layer_norm", "norm"),
+        ("aten::_fused_rms_norm", "norm"),
+        ("aten::add", "elementwise"),
+        ("aten::mm", "other"),
+    ],
+)
+def test_profiler_names_map_to_sites(name: str, site: str) -> None:
+    assert denoise.site_of(name) == site
+
+
+def test_default_config_follows_free_memory() -> None:
+    tokens = 4096 + 512
+    assert denoise.default_config(None, tokens) == "tiny"
+    assert denoise.default_config(140 * 10**9, tokens) == "dev"  # an H200
+    assert denoise.default_config(40 * 10**9, tokens) == "klein-4b"
+    assert 70e9 < denoise.bytes_needed(Flux2Config.preset("dev"), torch.bfloat16, tokens) < 80e9
+
+
+@no_cuda
+@pytest.mark.parametrize("command", [["verify"], ["kernel"], ["kernel", "--shapes", "6144x4608"]])
+def test_gpu_commands_refuse_without_cuda(command: list[str]) -> None:
+    code, out, err = run_cli(command)
+    assert code == 2 and out == ""
+    assert err.startswith("flux2-fused: error: ") and "needs a CUDA GPU" in err and len(err.splitlines()) == 1
+
+
+def test_kernel_help_passes_through() -> None:
+    code, out, _err = run_cli(["kernel", "--help"])
+    assert code == 0 and "--shapes" in out
+
+
+@pytest.fixture(scope="module")
+def built_sm90() -> tuple[int, str, str]:
+    """`build --arch 9.0` once (15-30 s on a cold cache); skipped where nvcc or apache-tvm-ffi is missing."""
+    if jit.find_nvcc() is None:
+        pytest.skip("nvcc not found (no CUDA toolkit): cannot test building the kernels")
+    pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed")
+    return run_cli(["build", "--arch", "9.0"])
+
+
+def test_build_without_gpu(built_sm90: tuple[int, str, str]) -> None:
+    code, out, err = built_sm90
+    assert code == 0, err
+    arch, path = out.strip().split(": ", 1)
+    assert arch == "9.0" and path.endswith(".so") and Path(path).is_file()
+
+
+def test_build_error_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jit, "find_nvcc", lambda: None)
+    code, out, err = run_cli(["build", "--arch", "sm_90"])
+    assert code == 1 and out == ""
+    assert err.strip().splitlines()[-1].startswith("flux2-fused: error: nvcc not found")
