@@ -1,0 +1,136 @@
+"""Tensor factories and fixtures shared by the CPU tests of the ops layer.
+
+The guards read only tensor metadata, so CPU-only CI can reach every check: `as_cuda` wraps a CPU
+or meta tensor in a stand-in that reports a CUDA device, while shape, strides, storage offset,
+dtype, data pointer and requires_grad stay the wrapped tensor's own. No kernel ever runs on one;
+the steps that would need a GPU (kill switch aside: the self-check) are replaced by `accept_runtime`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from flux2_fused.ops import (
+    can_defer_flux2_gated_residual,
+    can_use_flux2_gated_resnorm,
+    can_use_flux2_modnorm,
+    defer_decline_reason,
+    flux2_gated_resnorm_raw,
+    flux2_modnorm_raw,
+    gated_resnorm,
+    gated_resnorm_decline_reason,
+    modnorm_decline_reason,
+)
+
+
+class _CudaStandIn(torch.Tensor):
+    """A tensor that says it lives on cuda:<index>; see `as_cuda`."""
+
+    # Plain torch semantics for every op (results are ordinary tensors), only `device` differs.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    cuda_index: int
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self.cuda_index)
+
+
+def as_cuda(t: torch.Tensor, index: int = 0) -> torch.Tensor:
+    """`t` (same storage, view and grad flag) reporting device cuda:`index` to the guards."""
+    out = torch.Tensor._make_subclass(_CudaStandIn, t, t.requires_grad)
+    out.cuda_index = index
+    return out
+
+
+def flux2_inputs(
+    batch: int = 2,
+    tokens: int = 5,
+    dim: int = 8,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    *,
+    chunked: bool = True,
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """(residual, update, gate, scale, shift) for one FLUX.2 site, random normal values.
+
+    Streams are contiguous [B, T, D]. With `chunked` the modulation rows are what FLUX.2 passes:
+    strided [B, 1, D] views of one [B, 1, 6D] tensor (their data pointers are 8-byte aligned only
+    when D % 4 == 0); otherwise each is its own contiguous [B, 1, D] tensor.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    residual, update = randn(batch, tokens, dim), randn(batch, tokens, dim)
+    if chunked:
+        shift, scale, gate = randn(batch, 1, 6 * dim).chunk(6, dim=-1)[:3]
+    else:
+        shift, scale, gate = (randn(batch, 1, dim) for _ in range(3))
+    return residual, update, gate, scale, shift
+
+
+def misaligned(*shape: int, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> torch.Tensor:
+    """A contiguous tensor whose data pointer sits one element past an aligned allocation."""
+    return torch.zeros(math.prod(shape) + 1, dtype=dtype, device=device)[1:].view(shape)
+
+
+@pytest.fixture
+def accept_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accept whatever passes the metadata checks: stands in for the kill switch and the self-check."""
+    monkeypatch.setattr(gated_resnorm, "_runtime_reason", lambda device, dim, dtype: None)
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A public guard with its reason function, argument names, and raw op (the defer guard has none)."""
+
+    names: tuple[str, ...]
+    reason: Callable[..., str | None]
+    check: Callable[..., bool]
+    raw: Callable[..., Any] | None
+
+
+GUARDS = {
+    "gated": Guard(
+        ("residual", "update", "gate", "scale", "shift"),
+        gated_resnorm_decline_reason,
+        can_use_flux2_gated_resnorm,
+        flux2_gated_resnorm_raw,
+    ),
+    "defer": Guard(
+        ("residual", "update", "gate"), defer_decline_reason, can_defer_flux2_gated_residual, None
+    ),
+    "modnorm": Guard(
+        ("x", "scale", "shift"), modnorm_decline_reason, can_use_flux2_modnorm, flux2_modnorm_raw
+    ),
+}
+
+
+def check_guard(kind: str, args: tuple[Any, ...]) -> str | None:
+    """Call one guard every way and check the answers agree; return its reason.
+
+    The reason function returns None or a non-empty str without raising, the public guard returns
+    the bool `reason is None`, and for a declined call the raw op raises TypeError (for a
+    TypeReason) or ValueError carrying exactly that reason.
+    """
+    guard = GUARDS[kind]
+    reason = guard.reason(*args)
+    accepted = guard.check(*args)
+    assert isinstance(accepted, bool)
+    assert accepted is (reason is None), (kind, reason)
+    if reason is not None:
+        assert isinstance(reason, str) and reason
+        if guard.raw is not None:
+            error = TypeError if isinstance(reason, gated_resnorm.TypeReason) else ValueError
+            with pytest.raises(error, match=f"^{re.escape('flux2-fused: ' + reason)}$"):
+                guard.raw(*args)
+    return reason
