@@ -143,19 +143,19 @@ CASES: dict[str, Case] = {
     "gate 4-d": Case(
         "gated",
         lambda: inputs("gated", gate=zeros(1, B, 1, D)),
-        "gate must broadcast over tokens ([D], [B, D] or [B, 1, D]), got (1, 2, 1, 8)",
+        "gate must broadcast over tokens ([D], [1, D] or [B, 1, D]), got (1, 2, 1, 8)",
         ValueError,
     ),
     "gate per token": Case(
         "defer",
         lambda: inputs("defer", gate=zeros(B, T, D)),
-        "gate must broadcast over tokens ([D], [B, D] or [B, 1, D]), got (2, 5, 8)",
+        "gate must broadcast over tokens ([D], [1, D] or [B, 1, D]), got (2, 5, 8)",
         ValueError,
     ),
     "scale 0-d": Case(
         "modnorm",
         lambda: inputs("modnorm", scale=torch.tensor(0.0, dtype=BF16)),
-        "scale must broadcast over tokens ([D], [B, D] or [B, 1, D]), got ()",
+        "scale must broadcast over tokens ([D], [1, D] or [B, 1, D]), got ()",
         ValueError,
     ),
     "scale channels": Case(
@@ -173,7 +173,13 @@ CASES: dict[str, Case] = {
     "scale per token on a [T, D] stream": Case(
         "modnorm",
         lambda: inputs("modnorm", x=zeros(T, D), scale=zeros(T, D), shift=zeros(D)),
-        "scale batch 5 does not match the stream batch 1",
+        "scale must broadcast over tokens: a 2-D scale is [1, D], got (5, 8) (use [B, 1, D])",
+        ValueError,
+    ),
+    "gate [B, D] against [B, T, D]": Case(
+        "gated",
+        lambda: inputs("gated", gate=zeros(B, D)),
+        "gate must broadcast over tokens: a 2-D gate is [1, D], got (2, 8) (use [B, 1, D])",
         ValueError,
     ),
     "gate inner stride": Case(
@@ -388,10 +394,6 @@ def test_accepts_what_the_kernel_reproduces(kind: str, dtype: torch.dtype) -> No
         assert check_guard(kind, args) is None, layout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_modulation_reason takes a 2-D [B, D] row against a [B, T, D] stream per batch (see the report)",
-)
 @pytest.mark.usefixtures("accept_runtime")
 def test_2d_modulation_broadcasts_over_tokens() -> None:
     """Eager aligns a [R, D] gate with the last two axes of [B, T, D]: per token, never per batch.
@@ -430,22 +432,14 @@ GARBAGE = {
 }
 
 
-UPDATE_NONE = (
-    "update=None is taken for the no-update (modnorm) case: the gated and defer guards accept it, "
-    "where eager raises; _shape_reason needs an explicit gated flag (see the report)"
-)
-
-
 @pytest.mark.parametrize("garbage", GARBAGE)
 @pytest.mark.parametrize("kind", GUARDS)
 @pytest.mark.usefixtures("accept_runtime")
-def test_guards_return_false_for_garbage(kind: str, garbage: str, request: pytest.FixtureRequest) -> None:
+def test_guards_return_false_for_garbage(kind: str, garbage: str) -> None:
     """Any one argument replaced by garbage, then all of them: a reason, never True, never an exception.
 
     The runtime stage accepts, so a False here comes from the metadata checks alone.
     """
-    if garbage == "None" and kind != "modnorm":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=UPDATE_NONE))
     value, count = GARBAGE[garbage], len(GUARDS[kind].names)
     for position in range(count):
         args = list(inputs(kind, cuda=True))
@@ -458,7 +452,7 @@ def test_guards_return_false_for_garbage(kind: str, garbage: str, request: pytes
 def test_guards_never_raise_even_when_checking_does(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The guards' last line of defence: an exception while checking declines instead of escaping."""
 
-    def broken(*args: Any) -> str | None:
+    def broken(*args: Any, **kwargs: Any) -> str | None:
         raise RuntimeError("bug in a check")
 
     monkeypatch.setattr(gated_resnorm, "_shape_reason", broken)

@@ -154,11 +154,6 @@ def test_bits_equal_shape_or_dtype_mismatch_is_false() -> None:
     assert not bits_equal(a, a.float())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason="bits_equal views every non-16-bit dtype as int32; 8- and 1-byte dtypes raise (see the report)",
-)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.uint8], ids=["fp64", "uint8"])
 def test_bits_equal_other_element_sizes(dtype: torch.dtype) -> None:
     a = torch.arange(8).to(dtype)

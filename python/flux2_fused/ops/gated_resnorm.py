@@ -86,22 +86,23 @@ def _stream_reason(name: str, t: Any, like: torch.Tensor | None) -> str | None:
     return None
 
 
-def _modulation_reason(name: str, t: Any, batch: int, dim: int, stream_dims: int) -> str | None:
-    """Modulation rows broadcast over tokens: [D], [1|B, D] or [1|B, 1, D] with unit inner stride."""
+def _modulation_reason(name: str, t: Any, batch: int, dim: int) -> str | None:
+    """Modulation rows broadcast over tokens: [D], [1, D] or [1|B, 1, D] with unit inner stride."""
     if not isinstance(t, torch.Tensor):
         return TypeReason(f"{name} is not a tensor")
     shape = tuple(t.shape)
     if t.dim() == 1:
         rows = 1
-    elif t.dim() == 2 and stream_dims == 3:
-        rows = shape[0]
-    elif t.dim() == 2 and stream_dims == 2:
-        # Against a [T, D] stream, [1, D] broadcasts over tokens; [T, D] would be per-token modulation.
-        rows = shape[0] if shape[0] == 1 else -1
+    elif t.dim() == 2:
+        # Eager aligns [R, D] with the stream's last two axes, i.e. with tokens: only [1, D] broadcasts
+        # over them; per-batch rows must be [B, 1, D].
+        if shape[0] != 1:
+            return f"{name} must broadcast over tokens: a 2-D {name} is [1, D], got {shape} (use [B, 1, D])"
+        rows = 1
     elif t.dim() == 3 and shape[1] == 1:
         rows = shape[0]
     else:
-        return f"{name} must broadcast over tokens ([D], [B, D] or [B, 1, D]), got {shape}"
+        return f"{name} must broadcast over tokens ([D], [1, D] or [B, 1, D]), got {shape}"
     if shape[-1] != dim:
         return f"{name} has {shape[-1]} channels, residual has {dim}"
     if rows not in (1, batch):
@@ -142,19 +143,22 @@ def _stream_batch(t: torch.Tensor) -> int:
     return t.shape[0] if t.dim() == 3 else 1
 
 
-def _shape_reason(residual: Any, update: Any | None, modulation: Sequence[tuple[str, Any]]) -> str | None:
+def _shape_reason(
+    residual: Any, update: Any, modulation: Sequence[tuple[str, Any]], *, gated: bool = True
+) -> str | None:
+    """Metadata checks; gated=False for the no-residual variant, which has no update."""
     reason = _stream_reason("residual", residual, None)
-    if reason is None and update is not None:
+    if reason is None and gated:
         reason = _stream_reason("update", update, residual)
     if reason is not None:
         return reason
     batch, dim = _stream_batch(residual), residual.shape[-1]
     for name, t in modulation:
-        reason = _modulation_reason(name, t, batch, dim, residual.dim())
+        reason = _modulation_reason(name, t, batch, dim)
         if reason is not None:
             return reason
     tensors = [("residual", residual)]
-    if update is not None:
+    if gated:
         tensors.append(("update", update))
     return _common_reason(tensors + list(modulation))
 
@@ -180,7 +184,7 @@ def defer_decline_reason(residual: Any, update: Any, gate: Any) -> str | None:
 
 def modnorm_decline_reason(x: Any, scale: Any, shift: Any) -> str | None:
     """Why `can_use_flux2_modnorm` declines these inputs, or None when it accepts them."""
-    reason = _shape_reason(x, None, [("scale", scale), ("shift", shift)])
+    reason = _shape_reason(x, None, [("scale", scale), ("shift", shift)], gated=False)
     return reason or _runtime_reason(x.device, x.shape[-1], x.dtype)
 
 
@@ -306,7 +310,7 @@ def flux2_modnorm_raw(
     x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6
 ) -> torch.Tensor:
     """The fused no-residual variant, `(1 + scale) * layer_norm(x) + shift`, unguarded by the self-check."""
-    _validate(_shape_reason(x, None, [("scale", scale), ("shift", shift)]))
+    _validate(_shape_reason(x, None, [("scale", scale), ("shift", shift)], gated=False))
     out_shape = _eager_shape(x, scale, shift)
     return launch([Segment(x)], scale, shift, eps, write_residual=False, out_shape=out_shape)[0]
 
@@ -321,7 +325,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     a_nan, b_nan = a.isnan(), b.isnan()
     if not torch.equal(a_nan, b_nan):
         return False
-    bits = torch.int16 if a.element_size() == 2 else torch.int32
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return torch.equal(a.view(bits)[~a_nan], b.view(bits)[~b_nan])
 
 

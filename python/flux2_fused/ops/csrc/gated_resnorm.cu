@@ -62,28 +62,29 @@ Segment<T> make_segment(const TensorView& r, const TensorView& u, const TensorVi
 }
 
 template <typename T, int kVecs>
-void launch_vecs(const Params<T>& p, int64_t rows, bool gated, cudaStream_t stream) {
+void launch_vecs(const Params<T>& p, bool gated, cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>(p.rows);
   if (gated) {
-    gated_resnorm_kernel<T, kVecs, true><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(p);
+    gated_resnorm_kernel<T, kVecs, true><<<grid, kThreads, 0, stream>>>(p);
   } else {
-    gated_resnorm_kernel<T, kVecs, false><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(p);
+    gated_resnorm_kernel<T, kVecs, false><<<grid, kThreads, 0, stream>>>(p);
   }
 }
 
 // Smallest instantiated per-thread vector count that covers D / 4 vectors over 128 threads.
 template <typename T>
-void launch(const Params<T>& p, int64_t rows, bool gated, cudaStream_t stream) {
+void launch(const Params<T>& p, bool gated, cudaStream_t stream) {
   const int64_t need = (p.dim / 4 + kThreads - 1) / kThreads;
-  if (need <= 1) return launch_vecs<T, 1>(p, rows, gated, stream);
-  if (need <= 2) return launch_vecs<T, 2>(p, rows, gated, stream);
-  if (need <= 3) return launch_vecs<T, 3>(p, rows, gated, stream);
-  if (need <= 4) return launch_vecs<T, 4>(p, rows, gated, stream);
-  if (need <= 6) return launch_vecs<T, 6>(p, rows, gated, stream);
-  if (need <= 8) return launch_vecs<T, 8>(p, rows, gated, stream);
-  if (need <= 12) return launch_vecs<T, 12>(p, rows, gated, stream);
-  if (need <= 16) return launch_vecs<T, 16>(p, rows, gated, stream);
-  if (need <= 24) return launch_vecs<T, 24>(p, rows, gated, stream);
-  if (need <= 32) return launch_vecs<T, 32>(p, rows, gated, stream);
+  if (need <= 1) return launch_vecs<T, 1>(p, gated, stream);
+  if (need <= 2) return launch_vecs<T, 2>(p, gated, stream);
+  if (need <= 3) return launch_vecs<T, 3>(p, gated, stream);
+  if (need <= 4) return launch_vecs<T, 4>(p, gated, stream);
+  if (need <= 6) return launch_vecs<T, 6>(p, gated, stream);
+  if (need <= 8) return launch_vecs<T, 8>(p, gated, stream);
+  if (need <= 12) return launch_vecs<T, 12>(p, gated, stream);
+  if (need <= 16) return launch_vecs<T, 16>(p, gated, stream);
+  if (need <= 24) return launch_vecs<T, 24>(p, gated, stream);
+  if (need <= 32) return launch_vecs<T, 32>(p, gated, stream);
   TVM_FFI_THROW(ValueError) << "hidden size " << p.dim << " exceeds the kernel's maximum of 16384";
 }
 
@@ -114,12 +115,12 @@ void run(TensorView out, TensorView residual_out, TensorView scale, TensorView s
   p.dim = static_cast<int32_t>(dim);
   p.eps = static_cast<float>(eps);
 
-  const int64_t rows = batch * tokens;
-  if (rows == 0) return;
-  TVM_FFI_ICHECK(rows < (int64_t{1} << 31)) << "too many rows for one launch";
+  p.rows = batch * tokens;
+  if (p.rows == 0) return;
+  TVM_FFI_ICHECK(p.rows < (int64_t{1} << 31)) << "too many rows for one launch";
   const DLDevice dev = out.device();
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
-  launch<T>(p, rows, gated, stream);
+  launch<T>(p, gated, stream);
   const cudaError_t err = cudaGetLastError();
   TVM_FFI_ICHECK(err == cudaSuccess) << "gated_resnorm launch failed: " << cudaGetErrorString(err);
 }
