@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import gated_resnorm as ops
+from ..ops import library
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,13 @@ class ResidualFusion:
         self.enabled = enabled
 
     def _active(self) -> bool:
-        # Under torch.compile the guards (data pointers, live self-checks) cannot be traced: eager.
+        """Eager mode with the fast path on: the guards decide site by site, here and now."""
         return self.enabled and not torch.compiler.is_compiling()
+
+    def _traced(self) -> bool:
+        """torch.compile tracing with the fast path on: the guards (data pointers, live self-checks)
+        cannot be traced, so every site becomes a flux2_fused custom op that decides when it runs."""
+        return self.enabled and torch.compiler.is_compiling()
 
     def add(self, x: Stream, gate: torch.Tensor, update: torch.Tensor, clip_fp16: bool = False) -> Stream:
         """`x + gate * update`, deferred where the next fused norm can consume it.
@@ -74,7 +80,7 @@ class ResidualFusion:
         x = materialize(x)
         if clip_fp16 and x.dtype == torch.float16:
             return (x + gate * update).clip(-65504.0, 65504.0)
-        if self._active() and ops.can_defer_flux2_gated_residual(x, update, gate):
+        if self._traced() or (self._active() and ops.can_defer_flux2_gated_residual(x, update, gate)):
             return PendingGatedResidual(x, update, gate)
         return x + gate * update
 
@@ -83,6 +89,12 @@ class ResidualFusion:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the stream materialized, `(1 + scale) * layer_norm(stream) + shift`), in one launch when
         the fused kernel accepts the call."""
+        if self._traced():
+            if isinstance(x, PendingGatedResidual):
+                out, stream = library.gated_resnorm(x.residual, x.update, x.gate, scale, shift, eps)
+                return stream, out
+            x = materialize(x)
+            return x, library.modnorm(x, scale, shift, eps)
         if self._active():
             fused = self._fused_norm(x, scale, shift, eps, write_residual=True)
             if fused is not None:
@@ -95,6 +107,9 @@ class ResidualFusion:
     ) -> torch.Tensor:
         """The modulated norm of tokens [start:] of a stream that nothing reads afterwards: the
         pending update of the other tokens is never computed and the stream itself never written."""
+        if self._traced() and isinstance(x, PendingGatedResidual):
+            rows = x.rows(start)
+            return library.gated_resnorm(rows.residual, rows.update, rows.gate, scale, shift, eps)[0]
         if self._active() and isinstance(x, PendingGatedResidual):
             fused = self._fused_norm(x.rows(start), scale, shift, eps, write_residual=False)
             if fused is not None:
