@@ -1,0 +1,53 @@
+"""torch.compile of the model: one graph (fullgraph), every residual/norm site a flux2_fused custom op.
+
+The graph is run by a recording backend that executes the traced aten graph as is, so the compiled
+output must equal the eager model bit for bit: each custom op is the fused kernel or the eager chain
+(on the CPU always the latter), and nothing else changes. Inductor itself is not bit-exact, which is
+why the compiled-tier speed is a benchmark (`bench.step --compile`), not a test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flux2_fused.models.flux2 import Flux2Transformer
+
+from .test_deferral import make_inputs
+from .test_flux2 import TINY
+
+
+def _compile_and_compare(device: str, dtype: torch.dtype) -> None:
+    model = Flux2Transformer.random(TINY, seed=2, device=device, dtype=dtype)
+    inputs = {
+        k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in make_inputs(TINY, 2, 33, 7).items()
+    }
+    inputs["hidden_states"] = inputs["hidden_states"].to(dtype)
+    inputs["encoder_hidden_states"] = inputs["encoder_hidden_states"].to(dtype)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compiler.reset()
+    with torch.inference_mode():
+        compiled = torch.compile(model, fullgraph=True, backend=recording_backend)(**inputs)
+        eager = model(**inputs)
+    assert len(graphs) == 1
+    targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    gated = targets.count(torch.ops.flux2_fused.gated_resnorm.default)
+    plain = targets.count(torch.ops.flux2_fused.modnorm.default)
+    # Every norm but the two first ones and the one after the concat consumes a pending update.
+    assert gated + plain == 4 * TINY.num_layers + TINY.num_single_layers + 1
+    assert plain == 3
+    assert torch.equal(compiled, eager)
+
+
+def test_fullgraph_compile_keeps_every_site_cpu():
+    _compile_and_compare("cpu", torch.float32)
+
+
+@pytest.mark.gpu
+def test_fullgraph_compile_keeps_every_site_gpu():
+    _compile_and_compare("cuda", torch.bfloat16)
