@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
+from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from flux2_fused.models.weights import INDEX_NAME, WEIGHTS_NAME, WeightsError
 
 diffusers_flux2 = pytest.importorskip("diffusers.models.transformers.transformer_flux2")
@@ -18,20 +17,6 @@ attention_backend = pytest.importorskip("diffusers.models.attention_dispatch").a
 
 TINY = Flux2Config.preset("tiny")
 N_IMG, N_TXT = 37, 11  # odd counts: no row count is a multiple of any vector width
-
-
-def image_ids(n: int) -> torch.Tensor:
-    """(0, row, col, 0) on a grid as wide as a square image of n tokens, as the pipeline builds them."""
-    width = math.isqrt(n - 1) + 1
-    index = torch.arange(n)
-    return torch.stack([torch.zeros_like(index), index // width, index % width, torch.zeros_like(index)], -1)
-
-
-def text_ids(n: int) -> torch.Tensor:
-    """(0, 0, 0, i) for text token i."""
-    index = torch.arange(n)
-    zeros = torch.zeros_like(index)
-    return torch.stack([zeros, zeros, zeros, index], -1)
 
 
 def make_inputs(config: Flux2Config, batch: int, dtype: torch.dtype, guidance: bool, seed: int = 1) -> dict:

@@ -93,7 +93,7 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from .. import __version__
-from ..models.flux2 import Flux2Config, Flux2Transformer
+from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from ..models.weights import CONFIG_NAME, WeightsError, read_config, shard_files
 from ..ops import DISABLE_ENV, enabled, jit, self_check_records
 from ..ops.gated_resnorm import SUPPORTED_DTYPES, self_check
@@ -327,15 +327,9 @@ def make_inputs(config: Flux2Config, p: Plan) -> tuple[torch.Tensor, Inputs]:
     gen = torch.Generator().manual_seed(p.seed)
     noise = torch.randn(p.batch, p.image_tokens, config.in_channels, generator=gen)
     text = torch.randn(p.batch, p.text_tokens, config.joint_attention_dim, generator=gen)
-    rows, cols = torch.meshgrid(
-        torch.arange(p.height // PX_PER_TOKEN), torch.arange(p.width // PX_PER_TOKEN), indexing="ij"
-    )
-    zeros = torch.zeros_like(rows)
-    img_ids = torch.stack([zeros, rows, cols, zeros], dim=-1).reshape(-1, 4)
-    index = torch.arange(p.text_tokens)
-    txt_ids = torch.stack([torch.zeros_like(index)] * 3 + [index], dim=-1)
+    img_ids = image_ids(p.image_tokens, width=p.width // PX_PER_TOKEN, device=p.device)
     guidance = torch.full((p.batch,), GUIDANCE, device=p.device) if config.guidance_embeds else None
-    inputs = Inputs(text.to(p.device, p.dtype), img_ids.to(p.device), txt_ids.to(p.device), guidance)
+    inputs = Inputs(text.to(p.device, p.dtype), img_ids, text_ids(p.text_tokens, device=p.device), guidance)
     return noise.to(p.device, p.dtype), inputs
 
 

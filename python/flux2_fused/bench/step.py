@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ..models.flux2 import Flux2Config, Flux2Transformer
+from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 
 FUSED_KERNEL = "gated_resnorm_kernel"
 
@@ -50,20 +50,14 @@ def step_inputs(
     config: Flux2Config, batch: int, img_tokens: int, txt_tokens: int, dtype: torch.dtype
 ) -> dict:
     """Fresh random latents and text embeddings with FLUX.2's position ids, on the GPU."""
-    side = int(img_tokens**0.5)
-    rows = torch.arange(img_tokens, device="cuda")
-    zeros = torch.zeros_like(rows)
-    img_ids = torch.stack([zeros, rows // side, rows % side, zeros], -1)
-    t = torch.arange(txt_tokens, device="cuda")
-    txt_ids = torch.stack([torch.zeros_like(t)] * 3 + [t], -1)
     return {
         "hidden_states": torch.randn(batch, img_tokens, config.in_channels, device="cuda", dtype=dtype),
         "encoder_hidden_states": torch.randn(
             batch, txt_tokens, config.joint_attention_dim, device="cuda", dtype=dtype
         ),
         "timestep": torch.full((batch,), 0.5, device="cuda"),
-        "img_ids": img_ids,
-        "txt_ids": txt_ids,
+        "img_ids": image_ids(img_tokens, device="cuda"),
+        "txt_ids": text_ids(txt_tokens, device="cuda"),
         "guidance": torch.full((batch,), 4.0, device="cuda") if config.guidance_embeds else None,
     }
 

@@ -149,6 +149,22 @@ class Flux2Config:
         return config
 
 
+def image_ids(tokens: int, width: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """FLUX.2 pipeline position ids (0, row, col, 0) of `tokens` latent tokens laid out row by row,
+    `width` tokens a row (default: the smallest square grid that holds them)."""
+    width = width or math.isqrt(max(tokens - 1, 0)) + 1
+    index = torch.arange(tokens, device=device)
+    zeros = torch.zeros_like(index)
+    return torch.stack([zeros, index // width, index % width, zeros], dim=-1)
+
+
+def text_ids(tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """FLUX.2 pipeline position ids (0, 0, 0, i) of text token i."""
+    index = torch.arange(tokens, device=device)
+    zeros = torch.zeros_like(index)
+    return torch.stack([zeros, zeros, zeros, index], dim=-1)
+
+
 def split_modulation(mod: torch.Tensor, sets: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Split a [B, 3*sets*D] modulation into `sets` (shift, scale, gate) triples of [B, 1, D] views."""
     chunks = mod.unsqueeze(1).chunk(3 * sets, dim=-1)
