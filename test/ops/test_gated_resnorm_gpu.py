@@ -14,7 +14,7 @@ from flux2_fused.ops import (
     gated_resnorm_reference,
     modnorm_reference,
 )
-from flux2_fused.ops.gated_resnorm import Segment, launch
+from flux2_fused.ops.gated_resnorm import Segment, launch, random_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -67,6 +67,47 @@ def test_gated_resnorm_bit_exact(tokens, dim, batch, layout, dtype, gen):
     assert torch.equal(before[1].view(torch.int16), update.view(torch.int16))
     x = _rows(batch, tokens, dim, dtype, gen)
     assert bits_equal(flux2_modnorm_raw(x, scale, shift), modnorm_reference(x, scale, shift))
+
+
+def _edge_value_cases(dim: int, dtype: torch.dtype, gen: torch.Generator):
+    """Inputs aimed at the packed T-pair arithmetic (see Vec4 in gated_resnorm.cuh): products below
+    fp32's normal range, (1 + scale) near 0, overflow, non-finite modulation, random bit patterns."""
+    tiny, huge = (1e-20, 3e38) if dtype == torch.bfloat16 else (1e-4, 6e4)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
+
+    steps = torch.randint(-3, 4, (1, 1, dim), generator=gen, device="cuda")
+    near_minus_one = (-1 + steps * 2.0**-8).to(dtype)
+    yield (
+        "subnormal products",
+        (
+            randn(2, 33, dim, scale=tiny * tiny),
+            randn(2, 33, dim, scale=tiny),
+            randn(1, 1, dim, scale=tiny),
+            near_minus_one,
+            randn(1, 1, dim, scale=tiny * tiny),
+        ),
+    )
+    gate, scale, shift = randn(1, 1, dim), randn(1, 1, dim), randn(1, 1, dim)
+    gate[..., 5], scale[..., 7], shift[..., 9] = float("nan"), float("inf"), -float("inf")
+    gate[..., 13], scale[..., 11], scale[..., 15] = huge, float("nan"), -1.0
+    streams = randn(2, 33, dim, scale=huge), randn(2, 33, dim, scale=1e3)
+    yield "overflow, non-finite modulation", (*streams, gate, scale, shift)
+    shapes = [(2, 33, dim)] * 2 + [(2, 1, dim)] * 3
+    yield "random bit patterns", tuple(random_bits(shape, dtype, gen) for shape in shapes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dim", [3072, 6144, 5000])
+def test_edge_values_bit_exact(dim, dtype, gen):
+    for name, (residual, update, gate, scale, shift) in _edge_value_cases(dim, dtype, gen):
+        out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+        ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
+        assert bits_equal(residual_out, ref_residual), name
+        assert bits_equal(out, ref_out), name
+        x = residual_out
+        assert bits_equal(flux2_modnorm_raw(x, scale, shift), modnorm_reference(x, scale, shift)), name
 
 
 @pytest.mark.parametrize("dim", [4, 64, 260, 512, 1028, 2052, 16384])

@@ -340,6 +340,12 @@ def _edge_rows(x: torch.Tensor, big: float, small: float) -> None:
     x[1, 0] = x[1, 0, 0]  # constant row in the second batch too
 
 
+def random_bits(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A 16-bit float tensor with every bit pattern equally likely: subnormals, NaN and Inf included."""
+    raw = torch.randint(-(2**15), 2**15, tuple(shape), generator=gen, device=gen.device, dtype=torch.int32)
+    return raw.to(torch.int16).view(dtype)
+
+
 def self_check(device: torch.device, dim: int, dtype: torch.dtype) -> tuple[bool, str]:
     """Compare the kernel with live eager for one configuration: (passed, what was compared)."""
     gen = torch.Generator(device=device)
@@ -355,10 +361,14 @@ def self_check(device: torch.device, dim: int, dtype: torch.dtype) -> tuple[bool
     update[0, 1] *= 1e3
     mod = randn(batch, 1, 6 * dim)
     shift, scale, gate = mod.chunk(6, dim=-1)[:3]  # FLUX.2's strided [B, 1, D] chunk views
+    # Every bit pattern (NaN, Inf, subnormals) in all five inputs: the kernel's packed T-pair math
+    # equals eager's fp32-then-round steps by a proof that leans on the hardware's rounding.
+    noise = [random_bits(shape, dtype, gen) for shape in [(batch, tokens, dim)] * 2 + [(batch, 1, dim)] * 3]
     cases = {
         "gated, per-batch modulation": ([Segment(residual, update, gate)], scale, shift),
         "gated, broadcast modulation": ([Segment(residual, update, gate[:1, 0])], scale[0, 0], shift[:1, 0]),
         "no residual": ([Segment(residual)], scale, shift),
+        "random bit patterns": ([Segment(*noise[:3])], noise[3], noise[4]),
     }
     for name, (segments, sc, sh) in cases.items():
         seg = segments[0]
@@ -372,7 +382,7 @@ def self_check(device: torch.device, dim: int, dtype: torch.dtype) -> tuple[bool
         if not bits_equal(out, ref_out):
             return False, f"{name}: out differs from eager"
     torch.cuda.synchronize(device)
-    return True, f"{len(cases)} cases x [{batch}, {tokens}, {dim}] {dtype}, random + edge rows"
+    return True, f"{len(cases)} cases x [{batch}, {tokens}, {dim}] {dtype}, random + edge rows + random bits"
 
 
 @dataclass

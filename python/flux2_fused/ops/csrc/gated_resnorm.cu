@@ -61,13 +61,22 @@ Segment<T> make_segment(const TensorView& r, const TensorView& u, const TensorVi
   return s;
 }
 
+template <typename T, int kVecs, bool kGated>
+void launch_gated(const Params<T>& p, cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>(p.rows);
+  if (p.dim == 4 * kThreads * kVecs) {
+    gated_resnorm_kernel<T, kVecs, kGated, true><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    gated_resnorm_kernel<T, kVecs, kGated, false><<<grid, kThreads, 0, stream>>>(p);
+  }
+}
+
 template <typename T, int kVecs>
 void launch_vecs(const Params<T>& p, bool gated, cudaStream_t stream) {
-  const unsigned grid = static_cast<unsigned>(p.rows);
   if (gated) {
-    gated_resnorm_kernel<T, kVecs, true><<<grid, kThreads, 0, stream>>>(p);
+    launch_gated<T, kVecs, true>(p, stream);
   } else {
-    gated_resnorm_kernel<T, kVecs, false><<<grid, kThreads, 0, stream>>>(p);
+    launch_gated<T, kVecs, false>(p, stream);
   }
 }
 
