@@ -297,6 +297,18 @@ def flux2_gated_resnorm_raw(
     ValueError (shapes, strides, alignment, sizes) naming the problem.
     """
     _validate(_shape_reason(residual, update, [("gate", gate), ("scale", scale), ("shift", shift)]))
+    return gated_resnorm_unchecked(residual, update, gate, scale, shift, eps)
+
+
+def gated_resnorm_unchecked(
+    residual: torch.Tensor,
+    update: torch.Tensor,
+    gate: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flux2_gated_resnorm_raw` for inputs a guard has just accepted: no second validation."""
     residual_shape = _eager_shape(residual, gate)
     out_shape = _eager_shape(residual, gate, scale, shift)
     out, residual_out = launch(
@@ -311,6 +323,11 @@ def flux2_modnorm_raw(
 ) -> torch.Tensor:
     """The fused no-residual variant, `(1 + scale) * layer_norm(x) + shift`, unguarded by the self-check."""
     _validate(_shape_reason(x, None, [("scale", scale), ("shift", shift)], gated=False))
+    return modnorm_unchecked(x, scale, shift, eps)
+
+
+def modnorm_unchecked(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+    """`flux2_modnorm_raw` for inputs a guard has just accepted: no second validation."""
     out_shape = _eager_shape(x, scale, shift)
     return launch([Segment(x)], scale, shift, eps, write_residual=False, out_shape=out_shape)[0]
 

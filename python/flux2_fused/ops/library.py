@@ -29,7 +29,7 @@ def gated_resnorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual + gate * update` and `(1 + scale) * layer_norm(that) + shift`, bit-exact to eager."""
     if ops.can_use_flux2_gated_resnorm(residual, update, gate, scale, shift):
-        return ops.flux2_gated_resnorm_raw(residual, update, gate, scale, shift, eps)
+        return ops.gated_resnorm_unchecked(residual, update, gate, scale, shift, eps)
     return ops.gated_resnorm_reference(residual, update, gate, scale, shift, eps)
 
 
@@ -44,7 +44,7 @@ def _(residual, update, gate, scale, shift, eps):
 def modnorm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
     """`(1 + scale) * layer_norm(x) + shift`, bit-exact to eager."""
     if ops.can_use_flux2_modnorm(x, scale, shift):
-        return ops.flux2_modnorm_raw(x, scale, shift, eps)
+        return ops.modnorm_unchecked(x, scale, shift, eps)
     return ops.modnorm_reference(x, scale, shift, eps)
 
 

@@ -1,0 +1,189 @@
+"""Property-based fuzzing on the GPU: whatever the guards accept equals eager bit for bit, and whatever
+the model path is handed (accepted or not) equals eager bit for bit.
+
+Accepted draws cover FLUX.2's layouts at random sizes: any D % 4 == 0 up to MAX_DIM, odd token
+counts, batch 1-3, [T, D] and [B, T, D] streams (dense, or the last rows of a longer stream),
+modulation as chunk views, [B, 1, D], [1, 1, D], [1, D], [D] or batch-expanded rows, and values
+from randn at several scales up to random bit patterns (NaN, Inf, subnormals). Rejected draws
+break one or two things the kernel cannot reproduce (dtype, alignment, strides, D, grad, device,
+eager broadcasting) and go through `ResidualFusion`, the code every model site runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from flux2_fused.models.deferral import ResidualFusion
+from flux2_fused.ops import (
+    MAX_DIM,
+    bits_equal,
+    flux2_gated_resnorm_raw,
+    flux2_modnorm_raw,
+    gated_resnorm_decline_reason,
+    gated_resnorm_reference,
+    modnorm_decline_reason,
+    modnorm_reference,
+)
+from flux2_fused.ops.gated_resnorm import random_bits
+
+pytestmark = pytest.mark.gpu
+
+FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+MAX_ELEMENTS = 1 << 22  # per stream: keeps a draw well under a millisecond of kernel time
+SCALES = [1.0, 1.0, 1e3, 1e-3, 1e-30, 1e30, "bits"]
+MOD_LAYOUTS = ["chunk", "batch", "broadcast-3d", "broadcast-2d", "broadcast-1d", "expand"]
+BREAKS = ["fp32", "misaligned", "transposed", "step", "dim-not-4", "dim-too-big", "grad", "cpu"]
+BREAKS += ["update-broadcast"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    batch: int
+    tokens: int
+    dim: int
+    dtype: torch.dtype
+    rank: int  # 2: [T, D] streams, 3: [B, T, D]
+    row_offset: int  # > 0: streams are the last rows of a longer one
+    mod_layout: str
+    scales: tuple  # residual, update, modulation
+
+
+@st.composite
+def sites(draw: st.DrawFn) -> Site:
+    vectors = st.one_of(st.integers(1, 64), st.integers(1, MAX_DIM // 4), st.sampled_from([768, 1024, 1536]))
+    dim = 4 * draw(vectors)
+    rank = draw(st.sampled_from([2, 3, 3]))
+    batch = draw(st.integers(1, 3)) if rank == 3 else 1
+    tokens = draw(st.integers(1, max(1, min(700, MAX_ELEMENTS // (batch * dim)))))
+    return Site(
+        batch=batch,
+        tokens=tokens,
+        dim=dim,
+        dtype=draw(st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16])),
+        rank=rank,
+        row_offset=draw(st.sampled_from([0, 0, 1, 3])),
+        mod_layout=draw(st.sampled_from(MOD_LAYOUTS)),
+        scales=tuple(draw(st.sampled_from(SCALES)) for _ in range(3)),
+    )
+
+
+def _values(shape: tuple[int, ...], scale, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if scale == "bits":
+        return random_bits(shape, dtype, gen)
+    return (torch.randn(shape, generator=gen, device="cuda") * scale).to(dtype)
+
+
+def build(site: Site, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """(residual, update, gate, scale, shift) for a site, every tensor one the guards accept."""
+    b, t, d, dt = site.batch, site.tokens, site.dim, site.dtype
+    lead = (b,) if site.rank == 3 else ()
+
+    def stream(scale) -> torch.Tensor:
+        full = _values((*lead, t + site.row_offset, d), scale, dt, gen)
+        return full[..., site.row_offset :, :]
+
+    residual, update = stream(site.scales[0]), stream(site.scales[1])
+    rows = b if site.rank == 3 else 1
+    mod_scale = site.scales[2]
+    if site.mod_layout == "chunk":  # FLUX.2: strided [B, 1, D] views of one [B, 1, 6D] tensor
+        mods = _values((rows, 1, 6 * d), mod_scale, dt, gen).chunk(6, dim=-1)[3:]
+    elif site.mod_layout == "batch":
+        mods = [_values((rows, 1, d), mod_scale, dt, gen) for _ in range(3)]
+    elif site.mod_layout == "expand":
+        mods = [_values((1, 1, d), mod_scale, dt, gen).expand(rows, 1, d) for _ in range(3)]
+    else:
+        shape = {"broadcast-3d": (1, 1, d), "broadcast-2d": (1, d), "broadcast-1d": (d,)}[site.mod_layout]
+        mods = [_values(shape, mod_scale, dt, gen) for _ in range(3)]
+    gate, scale, shift = mods
+    return residual, update, gate, scale, shift
+
+
+@pytest.fixture(scope="module")
+def gen() -> torch.Generator:
+    g = torch.Generator(device="cuda")
+    g.seed()
+    return g
+
+
+@settings(FUZZ, max_examples=400)
+@given(site=sites())
+def test_accepted_inputs_equal_eager(site: Site, gen: torch.Generator) -> None:
+    residual, update, gate, scale, shift = build(site, gen)
+    assert gated_resnorm_decline_reason(residual, update, gate, scale, shift) is None
+    assert modnorm_decline_reason(residual, scale, shift) is None
+    out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+    ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
+    assert bits_equal(residual_out, ref_residual)
+    assert bits_equal(out, ref_out)
+    assert bits_equal(flux2_modnorm_raw(residual, scale, shift), modnorm_reference(residual, scale, shift))
+
+
+def _break(kind: str, tensors: list[torch.Tensor], which: int) -> list[torch.Tensor]:
+    """The same site with one thing the kernel cannot reproduce (or eager handles differently)."""
+    t = tensors[which]
+    match kind:
+        case "fp32":
+            t = t.float()
+        case "misaligned":  # same values, data pointer 2 bytes past 8-byte alignment
+            flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+            t = flat[1:].view(t.shape).copy_(t)
+        case "transposed" if t.dim() >= 2:  # same shape and values, column-major memory
+            t = t.mT.contiguous().mT
+        case "step":
+            wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+            wide[..., ::2] = t
+            t = wide[..., ::2]
+        case "grad":
+            t = t.detach().float().requires_grad_().to(t.dtype) if t.is_floating_point() else t
+        case "cpu":
+            return [x.cpu() for x in tensors]
+        case "update-broadcast" if which == 1 and t.dim() == 3:  # [1, T, D] update, eager broadcasts it
+            t = t[:1]
+    tensors = list(tensors)
+    tensors[which] = t
+    return tensors
+
+
+def _site_for_break(kind: str, site: Site) -> Site:
+    if kind == "dim-not-4":
+        return dataclasses.replace(site, dim=site.dim + 2)
+    if kind == "dim-too-big":
+        return dataclasses.replace(site, dim=MAX_DIM + 4, tokens=min(site.tokens, 8), batch=1)
+    return site
+
+
+@settings(FUZZ, max_examples=300)
+@given(site=sites(), breaks=st.lists(st.tuples(st.sampled_from(BREAKS), st.integers(0, 4)), max_size=2))
+def test_model_path_equals_eager(site: Site, breaks: list, gen: torch.Generator) -> None:
+    """Accepted or not, a site through ResidualFusion (add, norm, output_norm) gives eager's bits."""
+    for kind, _ in breaks:
+        site = _site_for_break(kind, site)
+    if site.dim % 4 != 0:  # an odd D can't come from a chunked [.., 6D] row with dim % 4: build dense
+        site = dataclasses.replace(site, mod_layout="batch")
+    tensors = list(build(site, gen))
+    for kind, which in breaks:
+        tensors = _break(kind, tensors, which)
+    residual, update, gate, scale, shift = tensors
+    with torch.no_grad() if not any(k == "grad" for k, _ in breaks) else torch.enable_grad():
+        try:
+            eager_stream = residual + gate * update
+            eager_out = modnorm_reference(eager_stream, scale, shift)
+        except RuntimeError:  # eager itself rejects the combination (devices, shapes): nothing to match
+            event("eager raises")
+            return
+        declined = gated_resnorm_decline_reason(residual, update, gate, scale, shift) is not None
+        event("declined" if declined else "accepted")
+        fusion = ResidualFusion(enabled=True)
+        stream, out = fusion.norm(fusion.add(residual, gate, update), scale, shift, 1e-6)
+        assert bits_equal(stream.detach(), eager_stream.detach())
+        assert bits_equal(out.detach(), eager_out.detach())
+        if residual.dim() == 3 and eager_stream.shape == residual.shape and residual.shape[1] > 1:
+            start = eager_stream.shape[1] // 2
+            tail = fusion.output_norm(fusion.add(residual, gate, update), start, scale, shift, 1e-6)
+            eager_tail = modnorm_reference(eager_stream[:, start:], scale, shift)
+            assert bits_equal(tail.detach(), eager_tail.detach())
