@@ -1,4 +1,4 @@
-"""The torch.library custom ops: opcheck, eager equality, and a compiled graph that keeps them."""
+"""The torch.library operators: opcheck, eager equality, gradients, and a compiled graph that keeps them."""
 
 from __future__ import annotations
 
@@ -43,6 +43,31 @@ def test_opcheck_and_eager_equality_cpu(dtype):
     _check("cpu", dtype)
 
 
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+def test_gradients_are_the_eager_chains_cpu(grad_mode):
+    """With a gradient needed the op is the differentiable eager chain (same values, same gradients);
+    under no_grad the same inputs give the same values and no graph."""
+    site = _site("cpu", torch.float32)
+    leaves = [t.clone().requires_grad_() for t in site]
+    ref_leaves = [t.clone().requires_grad_() for t in site]
+    with torch.set_grad_enabled(grad_mode):
+        out, res = torch.ops.flux2_fused.gated_resnorm(*leaves, 1e-6)
+        ref_out, ref_res = gated_resnorm_reference(*ref_leaves)
+        norm = torch.ops.flux2_fused.modnorm(leaves[0], leaves[3], leaves[4], 1e-6)
+        ref_norm = modnorm_reference(ref_leaves[0], ref_leaves[3], ref_leaves[4])
+    assert torch.equal(out, ref_out) and torch.equal(res, ref_res) and torch.equal(norm, ref_norm)
+    assert out.requires_grad == grad_mode and norm.requires_grad == grad_mode
+    if grad_mode:
+        weights = [torch.randn_like(t) for t in (out, res, norm)]
+        loss = sum((w * t).sum() for w, t in zip(weights, (out, res, norm), strict=True))
+        ref_loss = sum((w * t).sum() for w, t in zip(weights, (ref_out, ref_res, ref_norm), strict=True))
+        loss.backward()
+        ref_loss.backward()
+        for leaf, ref_leaf in zip(leaves, ref_leaves, strict=True):
+            assert torch.equal(leaf.grad, ref_leaf.grad)
+        torch.library.opcheck(torch.ops.flux2_fused.gated_resnorm.default, (*leaves, 1e-6))
+
+
 def test_compiled_graph_keeps_the_op_cpu():
     residual, update, gate, scale, shift = _site("cpu", torch.bfloat16)
 
@@ -57,13 +82,13 @@ def test_compiled_graph_keeps_the_op_cpu():
 
 
 def test_custom_op_dispatch_overhead_is_reported():
-    """Host cost of the custom-op dispatch over a direct call (why eager mode skips it); no assertion
+    """Host cost of the operator dispatch over a direct call (why eager mode skips it); no assertion
     on speed, only that both paths give the same bits."""
     site = _site("cpu", torch.float32, batch=1, tokens=1, dim=8)
     direct = timeit.timeit(lambda: gated_resnorm_reference(*site), number=200) / 200
     op = timeit.timeit(lambda: torch.ops.flux2_fused.gated_resnorm(*site, 1e-6), number=200) / 200
     print(
-        f"custom-op dispatch: {1e6 * (op - direct):.1f} us a call over the direct one ({1e6 * direct:.1f} us)"
+        f"operator dispatch: {1e6 * (op - direct):.1f} us a call over the direct one ({1e6 * direct:.1f} us)"
     )
     assert torch.equal(torch.ops.flux2_fused.gated_resnorm(*site, 1e-6)[0], gated_resnorm_reference(*site)[0])
 

@@ -1,4 +1,4 @@
-"""The fused ops as torch.library custom ops, so torch.compile keeps them instead of breaking the graph.
+"""The fused ops as torch.library operators, so torch.compile keeps them instead of breaking the graph.
 
 `torch.ops.flux2_fused.gated_resnorm(residual, update, gate, scale, shift, eps) -> (out, residual_out)`
 and `torch.ops.flux2_fused.modnorm(x, scale, shift, eps) -> out` always return exactly what the eager
@@ -7,19 +7,34 @@ traced), the eager ops everywhere else (CPU, other dtypes, a failed self-check).
 implementations give Inductor the output shapes, so a compiled model plans around them; Inductor's
 own fusion of this chain keeps fp32 intermediates and is not bit-exact, ours is.
 
-The model's eager path calls `gated_resnorm.launch` directly: the custom-op dispatch costs a few
-microseconds a call on the host (measured in test_library.py's report), which eager mode need not pay.
+Why `torch.library.Library` and not `torch.library.custom_op`: an Inductor graph calls these ops on
+the host between its own kernel launches, and early in a step the GPU waits for that host work.
+custom_op's Python wrapper (output-aliasing checks and more) costs ~8 us a call on the H200 host, a
+plain operator kernel ~2 us (`scratch`-free numbers: README, compiled tier). The autograd kernel
+keeps what custom_op gave: when a gradient is needed the op is the differentiable eager chain, else
+it redispatches to the fused implementation (so traced graphs keep the op).
+
+The model's eager path calls `gated_resnorm.launch` directly: even this dispatch costs a few
+microseconds a call on the host, which eager mode need not pay.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from . import gated_resnorm as ops
 
+_LIB = torch.library.Library("flux2_fused", "DEF")
+_LIB.define(
+    "gated_resnorm(Tensor residual, Tensor update, Tensor gate, Tensor scale, Tensor shift, float eps)"
+    " -> (Tensor, Tensor)"
+)
+_LIB.define("modnorm(Tensor x, Tensor scale, Tensor shift, float eps) -> Tensor")
 
-@torch.library.custom_op("flux2_fused::gated_resnorm", mutates_args=())
-def gated_resnorm(
+
+def _gated_resnorm(
     residual: torch.Tensor,
     update: torch.Tensor,
     gate: torch.Tensor,
@@ -33,21 +48,41 @@ def gated_resnorm(
     return ops.gated_resnorm_reference(residual, update, gate, scale, shift, eps)
 
 
-@gated_resnorm.register_fake
-def _(residual, update, gate, scale, shift, eps):
-    residual_shape = torch.broadcast_shapes(residual.shape, gate.shape, update.shape)
-    out_shape = torch.broadcast_shapes(residual_shape, scale.shape, shift.shape)
-    return residual.new_empty(out_shape), residual.new_empty(residual_shape)
-
-
-@torch.library.custom_op("flux2_fused::modnorm", mutates_args=())
-def modnorm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+def _modnorm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
     """`(1 + scale) * layer_norm(x) + shift`, bit-exact to eager."""
     if ops.can_use_flux2_modnorm(x, scale, shift):
         return ops.modnorm_unchecked(x, scale, shift, eps)
     return ops.modnorm_reference(x, scale, shift, eps)
 
 
-@modnorm.register_fake
+def _autograd_kernel(op: Callable, reference: Callable) -> Callable:
+    """The op's Autograd-key kernel: the eager chain (differentiable) when a gradient is needed,
+    else below autograd to the implementation. Inference mode never reaches it."""
+
+    def kernel(*args: object) -> object:
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return reference(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    return kernel
+
+
+gated_resnorm = torch.ops.flux2_fused.gated_resnorm.default
+modnorm = torch.ops.flux2_fused.modnorm.default
+_LIB.impl("gated_resnorm", _gated_resnorm, "CompositeExplicitAutograd")
+_LIB.impl("modnorm", _modnorm, "CompositeExplicitAutograd")
+_LIB.impl("gated_resnorm", _autograd_kernel(gated_resnorm, ops.gated_resnorm_reference), "Autograd")
+_LIB.impl("modnorm", _autograd_kernel(modnorm, ops.modnorm_reference), "Autograd")
+
+
+@torch.library.register_fake("flux2_fused::gated_resnorm", lib=_LIB)
+def _(residual, update, gate, scale, shift, eps):
+    residual_shape = torch.broadcast_shapes(residual.shape, gate.shape, update.shape)
+    out_shape = torch.broadcast_shapes(residual_shape, scale.shape, shift.shape)
+    return residual.new_empty(out_shape), residual.new_empty(residual_shape)
+
+
+@torch.library.register_fake("flux2_fused::modnorm", lib=_LIB)
 def _(x, scale, shift, eps):
     return x.new_empty(torch.broadcast_shapes(x.shape, scale.shape, shift.shape))
