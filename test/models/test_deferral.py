@@ -33,7 +33,7 @@ def make_inputs(config: Flux2Config, batch: int, img_tokens: int, txt_tokens: in
 _modnorm = ops.modnorm_reference  # the unpatched eager norm, for the fake kernel
 
 
-def fake_launch(segments, scale, shift, eps, *, write_residual, out_shape=None):
+def fake_launch(segments, scale, shift, eps, *, write_residual):
     """The kernel's contract, computed eagerly: rows of each segment, gated, concatenated, normed."""
     parts = [s.residual if s.update is None else s.residual + s.gate * s.update for s in segments]
     residual = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
