@@ -10,7 +10,7 @@ confidence interval and how many pairs the fused step won, CUDA kernel launches 
 fused path is bit-exact).
 
 With --compile both modes run through `torch.compile(model)` (one compiled graph per mode): the
-compiled tier, where the fused sites are flux2_fused custom ops and the fast-path-off graph uses
+compiled tier, where the fused sites are flux2_fused operators and the fast-path-off graph uses
 Inductor's own fusion of the chain. Compiled outputs differ from eager (Inductor is not bit-exact),
 so there the hashes are reported, not compared. The compiled tier's gain is small next to the
 step-to-step spread (klein-4b: ~0.5 ms against a ~1 ms standard deviation of the paired difference),
@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         print("flux2-fused step benchmark: needs a CUDA GPU", file=sys.stderr)
         return 2
     results = []
+    steps = args.steps or (100 if args.compile else 7)
     for name in args.configs:
-        steps = args.steps or (100 if args.compile else 7)
         results.append(
             bench_config(name, steps, args.batch, args.img_tokens, args.txt_tokens, compiled=args.compile)
         )

@@ -417,8 +417,7 @@ class _Checker:
         self._lock = threading.RLock()
         self._by_device: dict[torch.device, Any] = {}
         self._build_errors: dict[str, str] = {}
-        self.records: dict[tuple[str, int, str, str], CheckRecord] = {}
-        self._verdicts: dict[tuple[torch.device, int, torch.dtype], str | None] = {}
+        self.records: dict[tuple[torch.device, int, torch.dtype], CheckRecord] = {}
         self._warned: set[str] = set()
 
     def warn_once(self, message: str) -> None:
@@ -443,27 +442,19 @@ class _Checker:
             return mod
 
     def reason(self, device: torch.device, dim: int, dtype: torch.dtype) -> str | None:
-        try:  # the per-call path: a verdict already reached, looked up without building strings
-            return self._verdicts[device, dim, dtype]
-        except KeyError:
-            pass
-        key = (str(device), dim, str(dtype), torch.__version__)
+        key = (device, dim, dtype)  # the torch version is fixed for the process
         record = self.records.get(key)
-        if record is not None:
-            return self._verdict(device, dim, dtype, record)
-        if torch.cuda.is_current_stream_capturing():
-            return "configuration not yet self-checked, and checking is impossible during CUDA graph capture"
-        with self._lock:
-            record = self.records.get(key)
-            if record is None:
-                record = self._check(device, dim, dtype)
-                self.records[key] = record
-        return self._verdict(device, dim, dtype, record)
-
-    def _verdict(self, device: torch.device, dim: int, dtype: torch.dtype, record: CheckRecord) -> str | None:
-        verdict = None if record.passed else f"self-check failed: {record.detail}"
-        self._verdicts[device, dim, dtype] = verdict
-        return verdict
+        if record is None:
+            if torch.cuda.is_current_stream_capturing():
+                return (
+                    "configuration not yet self-checked, and checking is impossible during CUDA graph capture"
+                )
+            with self._lock:
+                record = self.records.get(key)
+                if record is None:
+                    record = self._check(device, dim, dtype)
+                    self.records[key] = record
+        return None if record.passed else f"self-check failed: {record.detail}"
 
     def _check(self, device: torch.device, dim: int, dtype: torch.dtype) -> CheckRecord:
         start = time.perf_counter()
@@ -484,4 +475,7 @@ _CHECKER = _Checker()
 
 def self_check_records() -> dict[tuple[str, int, str, str], CheckRecord]:
     """The verdicts so far: (device, D, dtype, torch version) -> record with its one-time cost."""
-    return dict(_CHECKER.records)
+    return {
+        (str(device), dim, str(dtype), torch.__version__): record
+        for (device, dim, dtype), record in _CHECKER.records.items()
+    }
