@@ -419,6 +419,37 @@ def test_requires_grad_is_fine_without_grad_mode() -> None:
     assert can_use_flux2_gated_resnorm(*args) is False
 
 
+@pytest.mark.parametrize("kind", GUARDS)
+@pytest.mark.usefixtures("accept_runtime")
+def test_remembered_verdict_still_checks_each_call(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guards remember metadata verdicts; what equal metadata does not decide is checked per call:
+    data alignment, gradients, the kill switch (and the self-check, via the runtime stage)."""
+    monkeypatch.setattr(gated_resnorm, "_METADATA_VERDICTS", {})
+    stream = GUARDS[kind].names[0]
+    aligned = inputs(kind, cuda=True)
+    shifted = inputs(kind, cuda=True, **{stream: as_cuda(misaligned(B, T, D))})  # same shape and strides
+    grad = inputs(kind, cuda=True, **{stream: as_cuda(zeros(B, T, D).requires_grad_())})
+    for _ in range(2):  # the second round answers from the remembered verdict
+        assert check_guard(kind, aligned) is None
+        assert (
+            check_guard(kind, shifted) == f"residual data pointer is not {gated_resnorm._ALIGN}-byte aligned"
+        )
+        assert check_guard(kind, grad) == "residual requires grad and the fused kernel has no backward"
+    assert len(gated_resnorm._METADATA_VERDICTS) == 1
+    monkeypatch.undo()  # the real runtime stage: the kill switch is read on every call
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    assert GUARDS[kind].check(*aligned) is False
+
+
+@pytest.mark.usefixtures("accept_runtime")
+def test_remembered_verdicts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gated_resnorm, "_METADATA_VERDICTS", {})
+    monkeypatch.setattr(gated_resnorm, "_MAX_METADATA_VERDICTS", 3)
+    for tokens in range(1, 11):
+        assert check_guard("modnorm", inputs("modnorm", cuda=True, x=cuda_zeros(B, tokens, D))) is None
+        assert len(gated_resnorm._METADATA_VERDICTS) <= 3
+
+
 GARBAGE = {
     "None": None,
     "int": 0,
@@ -455,7 +486,8 @@ def test_guards_never_raise_even_when_checking_does(kind: str, monkeypatch: pyte
     def broken(*args: Any, **kwargs: Any) -> str | None:
         raise RuntimeError("bug in a check")
 
-    monkeypatch.setattr(gated_resnorm, "_shape_reason", broken)
+    monkeypatch.setattr(gated_resnorm, "_metadata_reason", broken)
+    monkeypatch.setattr(gated_resnorm, "_METADATA_VERDICTS", {})  # no verdict remembered from before
     guard = GUARDS[kind]
     with pytest.raises(RuntimeError, match="bug in a check"):
         guard.reason(*inputs(kind, cuda=True))

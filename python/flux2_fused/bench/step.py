@@ -3,11 +3,17 @@
     python -m flux2_fused.bench.step [--configs dev klein-4b] [--steps N] [--compile] [--json FILE]
 
 Random weights built on the GPU; the same model runs with `fused = False` and `fused = True` on the
-same inputs, interleaved step by step (CUDA events, medians after a warm-up step of each). Reports
-the median step time, the speedup, the mean of the paired per-step differences with its 95%
-confidence interval and how many pairs the fused step won, CUDA kernel launches per step
-(torch.profiler), the fused-kernel launches, and the SHA-256 of both outputs (identical when the
-fused path is bit-exact).
+same inputs, interleaved step by step, after a warm-up step of each (the fused one self-checks).
+Two timings, each of N pairs (CUDA events):
+- synchronized: every step starts on an idle GPU and is waited for, so it includes the time the
+  GPU spends waiting for the host to launch the step's first kernels;
+- pipelined: the steps are enqueued back to back and waited for once at the end, as a denoise loop
+  runs them (diffusers' pipelines do not synchronize between steps); with the host ahead of the
+  GPU, this is the step's GPU time.
+Each reports the median step time per mode, the speedup, the mean of the paired differences with
+its 95% confidence interval and how many pairs the fused step won. Also: CUDA kernel launches per
+step (torch.profiler), the fused-kernel launches, and the SHA-256 of both outputs (identical when
+the fused path is bit-exact).
 
 With --compile both modes run through `torch.compile(model)` (one compiled graph per mode): the
 compiled tier, where the fused sites are flux2_fused operators and the fast-path-off graph uses
@@ -67,24 +73,83 @@ def step_inputs(
 
 
 @dataclass
-class StepResult:
-    config: str
-    batch: int
-    steps: int
-    img_tokens: int
-    txt_tokens: int
+class Timing:
+    """Interleaved step times of the two modes: medians and the paired (same position) difference."""
+
     eager_ms: float
     fused_ms: float
     speedup_pct: float
+    paired_diff_ms: float  # mean over pairs of (eager - fused)
+    paired_ci95_ms: float  # half-width of its 95% confidence interval
+    fused_won: int  # pairs where the fused step was faster
+
+    @classmethod
+    def of(cls, times: dict[bool, list[float]]) -> Timing:
+        eager_ms, fused_ms = statistics.median(times[False]), statistics.median(times[True])
+        diffs = [e - f for e, f in zip(times[False], times[True], strict=True)]
+        ci95 = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+        return cls(
+            eager_ms=eager_ms,
+            fused_ms=fused_ms,
+            speedup_pct=100 * (eager_ms / fused_ms - 1),
+            paired_diff_ms=statistics.mean(diffs),
+            paired_ci95_ms=ci95,
+            fused_won=sum(d > 0 for d in diffs),
+        )
+
+
+def _pair_order(pairs: int) -> list[bool]:
+    """The modes in run order: (eager, fused), then (fused, eager), ..., so drift hits both alike."""
+    return [mode for i in range(pairs) for mode in ((False, True) if i % 2 == 0 else (True, False))]
+
+
+def time_synchronized(run: Callable[[bool], object], pairs: int) -> dict[bool, list[float]]:
+    """Each step alone from an idle GPU (synchronized after every step): includes the time the GPU
+    waits for the host to launch the step's first kernels."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for mode in _pair_order(pairs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(mode)
+        end.record()
+        end.synchronize()
+        times[mode].append(start.elapsed_time(end))
+    return times
+
+
+def time_pipelined(run: Callable[[bool], object], pairs: int) -> dict[bool, list[float]]:
+    """Steps enqueued back to back, as a denoise loop enqueues them (diffusers' pipelines do not
+    synchronize between steps): one synchronization at the end, each step timed between the CUDA
+    events around it. Once the host runs ahead this is the step's GPU time, launch gaps included."""
+    order = _pair_order(pairs)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(order) + 1)]
+    run(False)  # untimed lead-in: the host gets ahead of the GPU before the first timed step
+    marks[0].record()
+    for mode, mark in zip(order, marks[1:], strict=True):
+        run(mode)
+        mark.record()
+    marks[-1].synchronize()
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for mode, start, end in zip(order, marks, marks[1:], strict=False):
+        times[mode].append(start.elapsed_time(end))
+    return times
+
+
+@dataclass
+class StepResult:
+    config: str
+    batch: int
+    steps: int  # pairs of steps in each timing
+    img_tokens: int
+    txt_tokens: int
+    synchronized: Timing
+    pipelined: Timing
     eager_kernels: int
     fused_kernels: int
     fused_kernel_launches: int
     eager_sha256: str
     fused_sha256: str
     bit_exact: bool
-    paired_diff_ms: float  # mean over steps of (eager - fused), same step index
-    paired_ci95_ms: float  # half-width of its 95% confidence interval
-    fused_won: int  # pairs where the fused step was faster
     compiled: bool = False
 
 
@@ -100,43 +165,28 @@ def bench_config(
         model.fused = fused
         return forward(**inputs)
 
-    times: dict[bool, list[float]] = {False: [], True: []}
     with torch.inference_mode():
         outputs = {mode: run(mode) for mode in (False, True)}  # warm-up; the fused one self-checks
-        for _ in range(steps):
-            for mode in (False, True):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run(mode)
-                end.record()
-                end.synchronize()
-                times[mode].append(start.elapsed_time(end))
+        synchronized = Timing.of(time_synchronized(run, steps))
+        pipelined = Timing.of(time_pipelined(run, steps))
         eager_kernels, _ = kernel_launches(lambda: run(False))
         fused_kernels, fused_launches = kernel_launches(lambda: run(True))
-    eager_ms, fused_ms = statistics.median(times[False]), statistics.median(times[True])
-    diffs = [e - f for e, f in zip(times[False], times[True], strict=True)]
-    ci95 = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
-    result = StepResult(
+    return StepResult(
         config=name,
         batch=batch,
         steps=steps,
         img_tokens=img_tokens,
         txt_tokens=txt_tokens,
-        eager_ms=eager_ms,
-        fused_ms=fused_ms,
-        speedup_pct=100 * (eager_ms / fused_ms - 1),
+        synchronized=synchronized,
+        pipelined=pipelined,
         eager_kernels=eager_kernels,
         fused_kernels=fused_kernels,
         fused_kernel_launches=fused_launches,
         eager_sha256=tensor_sha256(outputs[False]),
         fused_sha256=tensor_sha256(outputs[True]),
         bit_exact=torch.equal(outputs[False], outputs[True]),
-        paired_diff_ms=statistics.mean(diffs),
-        paired_ci95_ms=ci95,
-        fused_won=sum(d > 0 for d in diffs),
         compiled=compiled,
     )
-    return result
 
 
 def format_table(results: list[StepResult]) -> str:
@@ -147,18 +197,20 @@ def format_table(results: list[StepResult]) -> str:
             if results[0].compiled
             else ""
         ),
-        "| config | B | tokens (img+txt) | eager ms | fused ms | speedup | paired gain ms (95% CI) "
+        "| config | B | tokens (img+txt) | timing | eager ms | fused ms | speedup | paired gain ms (95% CI) "
         "| fused won | kernels/step eager -> fused | fused launches | bit-exact | SHA-256 (both) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         sha = r.fused_sha256[:16] if r.bit_exact else f"{r.eager_sha256[:12]} / {r.fused_sha256[:12]}"
-        lines.append(
-            f"| {r.config} | {r.batch} | {r.img_tokens}+{r.txt_tokens} | {r.eager_ms:.2f} | {r.fused_ms:.2f} "
-            f"| {r.speedup_pct:+.1f}% | {r.paired_diff_ms:+.2f} +- {r.paired_ci95_ms:.2f} "
-            f"| {r.fused_won}/{r.steps} | {r.eager_kernels} -> {r.fused_kernels} | {r.fused_kernel_launches} "
-            f"| {'yes' if r.bit_exact else 'NO'} | {sha} |"
-        )
+        for label, t in (("synchronized", r.synchronized), ("pipelined", r.pipelined)):
+            gain = f"{t.paired_diff_ms:+.2f} +- {t.paired_ci95_ms:.2f}"
+            lines.append(
+                f"| {r.config} | {r.batch} | {r.img_tokens}+{r.txt_tokens} | {label} | {t.eager_ms:.2f} "
+                f"| {t.fused_ms:.2f} | {t.speedup_pct:+.1f}% | {gain} | {t.fused_won}/{r.steps} "
+                f"| {r.eager_kernels} -> {r.fused_kernels} | {r.fused_kernel_launches} "
+                f"| {'yes' if r.bit_exact else 'NO'} | {sha} |"
+            )
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,22 +116,17 @@ def _modulation_reason(name: str, t: Any, batch: int, dim: int) -> str | None:
 
 
 def _common_reason(tensors: Sequence[tuple[str, torch.Tensor]]) -> str | None:
-    """Device, dtype, autograd and alignment checks shared by every guard."""
+    """Device, dtype and hidden-size checks shared by every guard."""
     first = tensors[0][1]
     if first.device.type != "cuda":
         return TypeReason(f"tensors are on {first.device}, the fused kernel needs CUDA")
     if first.dtype not in SUPPORTED_DTYPES:
         return TypeReason(f"dtype {first.dtype} is not supported (bfloat16, float16)")
-    grad = torch.is_grad_enabled()
     for name, t in tensors:
         if t.device != first.device:
             return TypeReason(f"{name} is on {t.device}, {tensors[0][0]} on {first.device}")
         if t.dtype != first.dtype:
             return TypeReason(f"{name} is {t.dtype}, {tensors[0][0]} is {first.dtype} (eager would promote)")
-        if grad and t.requires_grad:
-            return f"{name} requires grad and the fused kernel has no backward"
-        if not _aligned(t):
-            return f"{name} data pointer is not {_ALIGN}-byte aligned"
     dim = first.shape[-1]
     if dim <= 0 or dim % 4 != 0:
         return f"hidden size {dim} is not a positive multiple of 4 (aten would not vectorize)"
@@ -140,14 +135,26 @@ def _common_reason(tensors: Sequence[tuple[str, torch.Tensor]]) -> str | None:
     return None
 
 
+def _call_reason(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> str | None:
+    """The checks that tensors with equal metadata can still fail: autograd and data alignment."""
+    grad = torch.is_grad_enabled()
+    for name, t in zip(names, tensors, strict=True):
+        if grad and t.requires_grad:
+            return f"{name} requires grad and the fused kernel has no backward"
+        if not _aligned(t):
+            return f"{name} data pointer is not {_ALIGN}-byte aligned"
+    return None
+
+
 def _stream_batch(t: torch.Tensor) -> int:
     return t.shape[0] if t.dim() == 3 else 1
 
 
-def _shape_reason(
+def _metadata_reason(
     residual: Any, update: Any, modulation: Sequence[tuple[str, Any]], *, gated: bool = True
 ) -> str | None:
-    """Metadata checks; gated=False for the no-residual variant, which has no update."""
+    """Everything the tensors' shapes, strides, dtypes and devices decide; gated=False for the
+    no-residual variant, which has no update."""
     reason = _stream_reason("residual", residual, None)
     if reason is None and gated:
         reason = _stream_reason("update", update, residual)
@@ -164,6 +171,38 @@ def _shape_reason(
     return _common_reason(tensors + list(modulation))
 
 
+def _gated_metadata_reason(residual: Any, update: Any, gate: Any, scale: Any, shift: Any) -> str | None:
+    return _metadata_reason(residual, update, [("gate", gate), ("scale", scale), ("shift", shift)])
+
+
+def _defer_metadata_reason(residual: Any, update: Any, gate: Any) -> str | None:
+    return _metadata_reason(residual, update, [("gate", gate)])
+
+
+def _modnorm_metadata_reason(x: Any, scale: Any, shift: Any) -> str | None:
+    return _metadata_reason(x, None, [("scale", scale), ("shift", shift)], gated=False)
+
+
+MetadataReason = Callable[..., str | None]
+_NAMES: dict[MetadataReason, tuple[str, ...]] = {
+    _gated_metadata_reason: ("residual", "update", "gate", "scale", "shift"),
+    _defer_metadata_reason: ("residual", "update", "gate"),
+    _modnorm_metadata_reason: ("residual", "scale", "shift"),
+}
+
+
+def _input_reason(metadata_reason: MetadataReason, args: Sequence[Any]) -> str | None:
+    """Why the kernel cannot take these arguments, before any runtime state is asked."""
+    return metadata_reason(*args) or _call_reason(_NAMES[metadata_reason], args)
+
+
+def _decline_reason(metadata_reason: MetadataReason, args: Sequence[Any]) -> str | None:
+    reason = _input_reason(metadata_reason, args)
+    if reason is not None:
+        return reason
+    return _runtime_reason(args[0].device, args[0].shape[-1], args[0].dtype)
+
+
 def _runtime_reason(device: torch.device, dim: int, dtype: torch.dtype) -> str | None:
     """Kill switch, kernel availability and the self-check for this configuration."""
     if not enabled():
@@ -171,46 +210,59 @@ def _runtime_reason(device: torch.device, dim: int, dtype: torch.dtype) -> str |
     return _CHECKER.reason(device, dim, dtype)
 
 
-def gated_resnorm_decline_reason(residual: Any, update: Any, gate: Any, scale: Any, shift: Any) -> str | None:
-    """Why `can_use_flux2_gated_resnorm` declines these inputs, or None when it accepts them."""
-    reason = _shape_reason(residual, update, [("gate", gate), ("scale", scale), ("shift", shift)])
-    return reason or _runtime_reason(residual.device, residual.shape[-1], residual.dtype)
+# The boolean guards run at every fused site, and inside a compiled graph their host time sits
+# between two GPU launches. Tensors with the same shapes, strides, dtypes and devices get the same
+# metadata verdict, so it is remembered: a call then costs a key, a dict lookup and the call checks
+# (grad, alignment), about a third of the full checks. Bounded: cleared when it grows past this.
+_METADATA_VERDICTS: dict[tuple, bool] = {}
+_MAX_METADATA_VERDICTS = 4096
 
 
-def defer_decline_reason(residual: Any, update: Any, gate: Any) -> str | None:
-    """Why `can_defer_flux2_gated_residual` declines this triple, or None when it accepts it."""
-    reason = _shape_reason(residual, update, [("gate", gate)])
-    return reason or _runtime_reason(residual.device, residual.shape[-1], residual.dtype)
-
-
-def modnorm_decline_reason(x: Any, scale: Any, shift: Any) -> str | None:
-    """Why `can_use_flux2_modnorm` declines these inputs, or None when it accepts them."""
-    reason = _shape_reason(x, None, [("scale", scale), ("shift", shift)], gated=False)
-    return reason or _runtime_reason(x.device, x.shape[-1], x.dtype)
-
-
-def can_use_flux2_gated_resnorm(residual: Any, update: Any, gate: Any, scale: Any, shift: Any) -> bool:
-    """True when the fused kernel reproduces eager exactly for this call. Never raises."""
+def _accepts(metadata_reason: MetadataReason, args: tuple[Any, ...]) -> bool:
+    """`_decline_reason(metadata_reason, args) is None`, with the metadata verdict memoised. Never raises."""
     try:
-        return gated_resnorm_decline_reason(residual, update, gate, scale, shift) is None
+        key = (metadata_reason, *[(t.shape, t.stride(), t.dtype, t.device) for t in args])
+        accepted = _METADATA_VERDICTS.get(key)
+        if accepted is None:
+            accepted = metadata_reason(*args) is None
+            if len(_METADATA_VERDICTS) >= _MAX_METADATA_VERDICTS:
+                _METADATA_VERDICTS.clear()
+            _METADATA_VERDICTS[key] = accepted
+        if not accepted or _call_reason(_NAMES[metadata_reason], args) is not None:
+            return False
+        return _runtime_reason(args[0].device, args[0].shape[-1], args[0].dtype) is None
     except Exception:  # a guard must never be the reason a generation fails
         return False
 
 
+def gated_resnorm_decline_reason(residual: Any, update: Any, gate: Any, scale: Any, shift: Any) -> str | None:
+    """Why `can_use_flux2_gated_resnorm` declines these inputs, or None when it accepts them."""
+    return _decline_reason(_gated_metadata_reason, (residual, update, gate, scale, shift))
+
+
+def defer_decline_reason(residual: Any, update: Any, gate: Any) -> str | None:
+    """Why `can_defer_flux2_gated_residual` declines this triple, or None when it accepts it."""
+    return _decline_reason(_defer_metadata_reason, (residual, update, gate))
+
+
+def modnorm_decline_reason(x: Any, scale: Any, shift: Any) -> str | None:
+    """Why `can_use_flux2_modnorm` declines these inputs, or None when it accepts them."""
+    return _decline_reason(_modnorm_metadata_reason, (x, scale, shift))
+
+
+def can_use_flux2_gated_resnorm(residual: Any, update: Any, gate: Any, scale: Any, shift: Any) -> bool:
+    """True when the fused kernel reproduces eager exactly for this call. Never raises."""
+    return _accepts(_gated_metadata_reason, (residual, update, gate, scale, shift))
+
+
 def can_defer_flux2_gated_residual(residual: Any, update: Any, gate: Any) -> bool:
     """True when `residual + gate * update` may be left pending for the next fused norm. Never raises."""
-    try:
-        return defer_decline_reason(residual, update, gate) is None
-    except Exception:
-        return False
+    return _accepts(_defer_metadata_reason, (residual, update, gate))
 
 
 def can_use_flux2_modnorm(x: Any, scale: Any, shift: Any) -> bool:
     """True when the no-residual fused variant reproduces eager exactly. Never raises."""
-    try:
-        return modnorm_decline_reason(x, scale, shift) is None
-    except Exception:
-        return False
+    return _accepts(_modnorm_metadata_reason, (x, scale, shift))
 
 
 # --------------------------------------------------------------------------- launching
@@ -243,12 +295,13 @@ def launch(
     first = segments[0]
     r0 = first.residual
     gate_rows = () if first.gate is None else (first.gate,)
-    tokens = sum(seg.residual.shape[-2] for seg in segments)
 
     def empty(*rows: torch.Tensor) -> torch.Tensor:
-        shape = list(_eager_shape(r0, *rows))
-        shape[-2] = tokens
-        return r0.new_empty(shape)  # contiguous; ~2 us cheaper a call than torch.empty(dtype=, device=)
+        shape = _eager_shape(r0, *rows)
+        if len(segments) == 1 and len(shape) == r0.dim():  # the residual's own shape: the cheapest call
+            return torch.empty_like(r0, memory_format=torch.contiguous_format)
+        tokens = sum(seg.residual.shape[-2] for seg in segments)
+        return r0.new_empty((*shape[:-2], tokens, shape[-1]))
 
     out = empty(*gate_rows, scale, shift)
     residual_out = empty(*gate_rows) if write_residual else None
@@ -301,7 +354,7 @@ def flux2_gated_resnorm_raw(
     Inputs are never modified. Unsupported inputs raise TypeError (types, dtypes, devices) or
     ValueError (shapes, strides, alignment, sizes) naming the problem.
     """
-    _validate(_shape_reason(residual, update, [("gate", gate), ("scale", scale), ("shift", shift)]))
+    _validate(_input_reason(_gated_metadata_reason, (residual, update, gate, scale, shift)))
     return gated_resnorm_unchecked(residual, update, gate, scale, shift, eps)
 
 
@@ -323,7 +376,7 @@ def flux2_modnorm_raw(
     x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6
 ) -> torch.Tensor:
     """The fused no-residual variant, `(1 + scale) * layer_norm(x) + shift`, unguarded by the self-check."""
-    _validate(_shape_reason(x, None, [("scale", scale), ("shift", shift)], gated=False))
+    _validate(_input_reason(_modnorm_metadata_reason, (x, scale, shift)))
     return modnorm_unchecked(x, scale, shift, eps)
 
 
