@@ -19,8 +19,8 @@ With --compile both modes run through `torch.compile(model)` (one compiled graph
 compiled tier, where the fused sites are flux2_fused operators and the fast-path-off graph uses
 Inductor's own fusion of the chain. Compiled outputs differ from eager (Inductor is not bit-exact),
 so there the hashes are reported, not compared. The compiled tier's gain is small next to the
-step-to-step spread (klein-4b: ~0.5 ms against a ~1 ms standard deviation of the paired difference),
-so --compile defaults to 100 pairs, where the confidence interval is ~0.2 ms wide.
+step-to-step spread (klein-4b: ~0.5 ms against a standard deviation of the paired difference of ~1 ms
+synchronized, ~0.3 ms pipelined), so --compile defaults to 100 pairs.
 """
 
 from __future__ import annotations
