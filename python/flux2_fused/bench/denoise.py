@@ -98,6 +98,7 @@ from ..models.weights import CONFIG_NAME, WeightsError, read_config, shard_files
 from ..ops import DISABLE_ENV, enabled, jit, self_check_records
 from ..ops.gated_resnorm import SUPPORTED_DTYPES, self_check
 from .step import FUSED_KERNEL, tensor_sha256
+from .timing import event_ms
 
 T = TypeVar("T")
 
@@ -358,12 +359,7 @@ def timed_ms(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
         start = time.perf_counter()
         out = fn()
         return out, (time.perf_counter() - start) * 1e3
-    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start_event.record()
-    out = fn()
-    end_event.record()
-    end_event.synchronize()
-    return out, start_event.elapsed_time(end_event)
+    return event_ms(fn)
 
 
 # --------------------------------------------------------------------------- profiling

@@ -26,6 +26,7 @@ synchronized, ~0.3 ms pipelined), so --compile defaults to 100 pairs.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import hashlib
 import json
@@ -38,6 +39,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
+from .timing import event_ms
 
 FUSED_KERNEL = "gated_resnorm_kernel"
 
@@ -108,12 +110,7 @@ def time_synchronized(run: Callable[[bool], object], pairs: int) -> dict[bool, l
     waits for the host to launch the step's first kernels."""
     times: dict[bool, list[float]] = {False: [], True: []}
     for mode in _pair_order(pairs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run(mode)
-        end.record()
-        end.synchronize()
-        times[mode].append(start.elapsed_time(end))
+        times[mode].append(event_ms(functools.partial(run, mode))[1])
     return times
 
 

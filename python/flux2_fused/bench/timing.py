@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
+
+
+def event_ms(fn: Callable[[], T]) -> tuple[T, float]:
+    """(fn(), its time in ms between CUDA events around it on the current stream), waited for, so
+    the host's lead over the GPU is not counted."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return out, start.elapsed_time(end)
 
 
 def median_us(fn: Callable[[], object], *, warmup: int = 10, reps: int = 50) -> float:
@@ -13,15 +27,7 @@ def median_us(fn: Callable[[], object], *, warmup: int = 10, reps: int = 50) -> 
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(event_ms(fn)[1] * 1e3 for _ in range(reps))
 
 
 def interleaved_median_us(
@@ -35,12 +41,7 @@ def interleaved_median_us(
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for i, fn in enumerate(fns):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples[i].append(start.elapsed_time(end) * 1e3)
+            samples[i].append(event_ms(fn)[1] * 1e3)
     return [statistics.median(s) for s in samples]
 
 
