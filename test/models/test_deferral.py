@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux2_fused.models import deferral
 from flux2_fused.models.deferral import PendingConcat, PendingGatedResidual, ResidualFusion, materialize
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 from flux2_fused.ops import gated_resnorm as ops
@@ -54,9 +53,10 @@ def fused_cpu(monkeypatch):
         calls["eager_norm"] += 1
         return _modnorm(*args, **kwargs)
 
-    for name in ("can_defer_flux2_gated_residual", "can_use_flux2_gated_resnorm", "can_use_flux2_modnorm"):
-        monkeypatch.setattr(ops, name, lambda *a: True)
+    for name in ("gated", "defer", "plain"):
+        monkeypatch.setattr(ops.guards, name, lambda *a: True)
     monkeypatch.setattr(ops, "launch", launch)
+    monkeypatch.setattr(ops.reference, "modnorm", counted_norm)
     monkeypatch.setattr(ops, "modnorm_reference", counted_norm)
     return calls
 
@@ -82,7 +82,7 @@ def test_every_site_fused_and_output_unchanged(fused_cpu, batch):
 
 
 def test_declined_guards_run_eager(fused_cpu, monkeypatch):
-    monkeypatch.setattr(ops, "can_use_flux2_gated_resnorm", lambda *a: False)
+    monkeypatch.setattr(ops.guards, "gated", lambda *a: False)
     model = _model(TINY)
     inputs = make_inputs(TINY, batch=2, img_tokens=9, txt_tokens=5)
     with torch.no_grad():
@@ -132,15 +132,15 @@ def test_fp16_clip_sites_are_materialized(fused_cpu):
     x = torch.full((1, 4, 8), 60000.0, dtype=torch.float16)
     gate = torch.ones(1, 1, 8, dtype=torch.float16)
     update = torch.full((1, 4, 8), 60000.0, dtype=torch.float16)
-    clipped = fusion.add(x, gate, update, clip_fp16=True)
+    clipped = fusion.add(x, update, gate, clip_fp16=True)
     assert isinstance(clipped, torch.Tensor) and clipped.max().item() == 65504.0
-    assert isinstance(fusion.add(x, gate, update), PendingGatedResidual)
+    assert isinstance(fusion.add(x, update, gate), PendingGatedResidual)
 
 
 def test_disabled_fusion_never_defers(fused_cpu):
-    fusion = ResidualFusion(enabled=False)
+    fusion = ResidualFusion(fused=False)
     x, gate, update = torch.randn(1, 4, 8), torch.randn(1, 1, 8), torch.randn(1, 4, 8)
-    assert isinstance(fusion.add(x, gate, update), torch.Tensor)
+    assert isinstance(fusion.add(x, update, gate), torch.Tensor)
     fusion.norm(x, gate, gate, 1e-6)
     assert fused_cpu["launch"] == 0
 
@@ -158,5 +158,5 @@ def test_real_guards_decline_on_cpu():
     """Without monkeypatching, nothing is deferred on the CPU: the model is plain eager."""
     fusion = ResidualFusion()
     x, gate, update = torch.randn(1, 4, 8), torch.randn(1, 1, 8), torch.randn(1, 4, 8)
-    assert isinstance(fusion.add(x, gate, update), torch.Tensor)
-    assert deferral.ops.defer_decline_reason(x, update, gate) is not None
+    assert isinstance(fusion.add(x, update, gate), torch.Tensor)
+    assert ops.defer_decline_reason(x, update, gate) is not None

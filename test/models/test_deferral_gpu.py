@@ -53,6 +53,7 @@ def _launch_counter(monkeypatch) -> dict:
 
     monkeypatch.setattr(ops, "launch", counted_launch)
     monkeypatch.setattr(ops, "modnorm_reference", counted_norm)
+    monkeypatch.setattr(ops.reference, "modnorm", counted_norm)
     return calls
 
 

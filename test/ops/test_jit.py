@@ -25,7 +25,9 @@ import torch
 import tvm_ffi
 import tvm_ffi.cpp
 
-from flux2_fused.ops import gated_resnorm, jit
+from flux2_fused.ops import jit, runtime
+from flux2_fused.ops.gated_resnorm import guards
+from flux2_fused.ops.gated_resnorm.launch import SPEC
 
 PACKAGE_ROOT = Path(jit.__file__).resolve().parents[2]  # the folder holding flux2_fused
 FAKE_NVCC = "/opt/fake-cuda/bin/nvcc"
@@ -38,7 +40,7 @@ def digest_matches(lib: Path) -> bool:
 
 def leftovers(folder: Path) -> list[str]:
     """Anything in a cache folder other than a finished library, its digest and the lock file."""
-    finished = (jit.LIBRARY, Path(jit.LIBRARY).with_suffix(".sha256").name, ".lock")
+    finished = (SPEC.library, Path(SPEC.library).with_suffix(".sha256").name, ".lock")
     return sorted(p.name for p in folder.iterdir() if p.name not in finished)
 
 
@@ -76,10 +78,11 @@ def fake_compiler(monkeypatch: pytest.MonkeyPatch) -> FakeCompiler:
 
 @pytest.fixture
 def fresh_load_module() -> Iterator[None]:
-    """load_module memoizes per architecture; a test that calls it starts and ends with an empty memo."""
-    jit.load_module.cache_clear()
+    """load_module memoizes per module and architecture; a test that calls it starts and ends with an
+    empty memo."""
+    jit._loaded.clear()
     yield
-    jit.load_module.cache_clear()
+    jit._loaded.clear()
 
 
 # --------------------------------------------------------------------------- architectures
@@ -116,14 +119,14 @@ def test_normalize_arch_rejects(arch: str) -> None:
 
 def test_build_needs_an_architecture(tmp_path: Path) -> None:
     with pytest.raises(jit.BuildError, match="no CUDA architecture given"):
-        jit.build([], cache_dir=tmp_path)
+        jit.build(SPEC, [], cache_dir=tmp_path)
     with pytest.raises(ValueError, match="unrecognized CUDA architecture 'ninety'"):
-        jit.build(["ninety"], cache_dir=tmp_path)
+        jit.build(SPEC, ["ninety"], cache_dir=tmp_path)
 
 
 def test_build_passes_each_architecture_once(fake_compiler: FakeCompiler, tmp_path: Path) -> None:
-    jit.build(["9.0", "sm_90", "90"], cache_dir=tmp_path)
-    jit.build(["sm_100a", "9.0"], cache_dir=tmp_path)
+    jit.build(SPEC, ["9.0", "sm_90", "90"], cache_dir=tmp_path)
+    jit.build(SPEC, ["sm_100a", "9.0"], cache_dir=tmp_path)
     assert fake_compiler.calls == ["9.0", "10.0a 9.0"]
 
 
@@ -141,36 +144,37 @@ def sources(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 def test_cache_key_changes_with_arch_and_source_bytes(sources: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(jit, "_nvcc_version", lambda nvcc: "fake nvcc 0.0")
-    key = jit.cache_key(["9.0"], FAKE_NVCC)
-    assert len(key) == 24 and int(key, 16) >= 0
-    assert jit.cache_key(["9.0"], FAKE_NVCC) == key  # deterministic
-    keys = {key, jit.cache_key(["10.0"], FAKE_NVCC), jit.cache_key(["9.0a"], FAKE_NVCC)}
-    keys.add(jit.cache_key(["10.0", "9.0"], FAKE_NVCC))
+    key = jit.cache_key(SPEC, ["9.0"], FAKE_NVCC)
+    name, digest = key.rsplit("-", 1)
+    assert name == SPEC.name and len(digest) == 24 and int(digest, 16) >= 0
+    assert jit.cache_key(SPEC, ["9.0"], FAKE_NVCC) == key  # deterministic
+    keys = {key, jit.cache_key(SPEC, ["10.0"], FAKE_NVCC), jit.cache_key(SPEC, ["9.0a"], FAKE_NVCC)}
+    keys.add(jit.cache_key(SPEC, ["10.0", "9.0"], FAKE_NVCC))
     assert len(keys) == 4
-    for name in jit.SOURCES:
+    for name in (*SPEC.sources, *SPEC.headers):
         original = (sources / name).read_bytes()
         (sources / name).write_bytes(original + b"\n")  # one byte of whitespace
-        assert jit.cache_key(["9.0"], FAKE_NVCC) != key, name
+        assert jit.cache_key(SPEC, ["9.0"], FAKE_NVCC) != key, name
         (sources / name).write_bytes(original)
-    assert jit.cache_key(["9.0"], FAKE_NVCC) == key
+    assert jit.cache_key(SPEC, ["9.0"], FAKE_NVCC) == key
 
 
 def test_cache_key_changes_with_flags_and_toolchain(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(jit, "_nvcc_version", lambda nvcc: "fake nvcc 0.0")
-    key = jit.cache_key(["9.0"], FAKE_NVCC)
+    key = jit.cache_key(SPEC, ["9.0"], FAKE_NVCC)
     monkeypatch.setattr(jit, "_nvcc_version", lambda nvcc: "fake nvcc 0.1")
-    assert jit.cache_key(["9.0"], FAKE_NVCC) != key
+    assert jit.cache_key(SPEC, ["9.0"], FAKE_NVCC) != key
     monkeypatch.setattr(jit, "_nvcc_version", lambda nvcc: "fake nvcc 0.0")
     monkeypatch.setattr(jit, "CUDA_FLAGS", (*jit.CUDA_FLAGS, "--use_fast_math"))
-    assert jit.cache_key(["9.0"], FAKE_NVCC) != key
+    assert jit.cache_key(SPEC, ["9.0"], FAKE_NVCC) != key
 
 
 def test_a_source_change_builds_into_a_new_folder(
     fake_compiler: FakeCompiler, sources: Path, tmp_path: Path
 ) -> None:
-    first = jit.build(["9.0"], cache_dir=tmp_path / "cache")
+    first = jit.build(SPEC, ["9.0"], cache_dir=tmp_path / "cache")
     (sources / "gated_resnorm.cuh").write_bytes((sources / "gated_resnorm.cuh").read_bytes() + b"\n")
-    second = jit.build(["9.0"], cache_dir=tmp_path / "cache")
+    second = jit.build(SPEC, ["9.0"], cache_dir=tmp_path / "cache")
     assert first.parent != second.parent and digest_matches(first) and digest_matches(second)
     assert len(fake_compiler.calls) == 2
 
@@ -205,7 +209,9 @@ def real_builds(nvcc: str, tmp_path_factory: pytest.TempPathFactory) -> RealBuil
     cache = tmp_path_factory.mktemp("kernel-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(jit, "CSRC", snapshot)
-        return RealBuilds(snapshot, {arch: jit.build([arch], cache_dir=cache) for arch in ("9.0", "10.0")})
+        return RealBuilds(
+            snapshot, {arch: jit.build(SPEC, [arch], cache_dir=cache) for arch in ("9.0", "10.0")}
+        )
 
 
 @pytest.mark.parametrize(
@@ -231,8 +237,8 @@ def test_real_build_is_cached(
     monkeypatch.setattr(jit, "CSRC", real_builds.sources)
     monkeypatch.setenv(jit.CACHE_ENV, str(lib.parent.parent))
     monkeypatch.setattr(tvm_ffi.cpp, "build", FakeCompiler(fail=AssertionError("compiled again")))
-    assert jit.build(["sm_90"]) == lib
-    assert jit.load_module("9.0").gated_resnorm is not None
+    assert jit.build(SPEC, ["sm_90"]) == lib
+    assert jit.load_module(SPEC, "9.0").gated_resnorm is not None
 
 
 @pytest.mark.usefixtures("nvcc")
@@ -241,10 +247,10 @@ def test_real_compile_error_is_a_build_error(sources: Path, tmp_path: Path) -> N
     cu = sources / "gated_resnorm.cu"
     cu.write_text("#error flux2-fused test: deliberately broken\n" + cu.read_text())
     with pytest.raises(jit.BuildError, match="deliberately broken") as info:
-        jit.build(["9.0"], cache_dir=tmp_path / "cache")
-    assert "building the flux2-fused kernels in" in str(info.value)
+        jit.build(SPEC, ["9.0"], cache_dir=tmp_path / "cache")
+    assert "building the gated_resnorm kernel in" in str(info.value)
     (target,) = (tmp_path / "cache").iterdir()
-    assert leftovers(target) == [] and not (target / jit.LIBRARY).exists()
+    assert leftovers(target) == [] and not (target / SPEC.library).exists()
 
 
 # --------------------------------------------------------------------------- nvcc missing
@@ -286,7 +292,7 @@ def no_nvcc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def test_nvcc_missing_is_a_build_error(tmp_path: Path) -> None:
     assert jit.find_nvcc() is None
     with pytest.raises(jit.BuildError, match=r"nvcc not found: no CUDA toolkit in \$CUDA_HOME"):
-        jit.build(["9.0"], cache_dir=tmp_path / "cache")
+        jit.build(SPEC, ["9.0"], cache_dir=tmp_path / "cache")
     assert not (tmp_path / "cache").exists()  # nothing created before the toolchain was found
 
 
@@ -297,15 +303,20 @@ def test_nvcc_missing_through_the_guards_is_one_warning(monkeypatch: pytest.Monk
     The GPU-only steps around the build (device capability, graph-capture query) are stubbed; the
     self-check's build attempt itself is real.
     """
-    monkeypatch.delenv(gated_resnorm.DISABLE_ENV, raising=False)
-    monkeypatch.setattr(gated_resnorm, "_CHECKER", gated_resnorm._Checker())
+    monkeypatch.delenv(runtime.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(runtime, "_records", {})
+    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.setattr(jit, "_device_arch", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(jit, "device_arch", lambda device: "9.0")
     device = torch.device("cuda", 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        reasons = {gated_resnorm._runtime_reason(device, 3072, torch.bfloat16) for _ in range(3)}
-    (reason,) = reasons
+        reasons = {
+            runtime.runtime_reason(guards.OP, device, guards.Config(dim, torch.bfloat16))
+            for dim in (3072, 6144, 3072)
+        }
+    (reason,) = reasons  # every hidden size declines for the one failed build
     assert reason.startswith("self-check failed: BuildError: nvcc not found")
     (warning,) = caught
     assert warning.category is RuntimeWarning
@@ -320,20 +331,20 @@ def test_compiler_failure_is_a_build_error_and_leaves_nothing(
 ) -> None:
     fake_compiler.fail = RuntimeError('ninja exited with status 1\nerror: identifier "foo" is undefined')
     with pytest.raises(jit.BuildError, match='identifier "foo" is undefined') as info:
-        jit.build(["9.0"], cache_dir=tmp_path)
+        jit.build(SPEC, ["9.0"], cache_dir=tmp_path)
     assert info.value.__cause__ is fake_compiler.fail
     (target,) = tmp_path.iterdir()
-    assert leftovers(target) == [] and not (target / jit.LIBRARY).exists()
+    assert leftovers(target) == [] and not (target / SPEC.library).exists()
 
 
 def test_failed_rebuild_does_not_keep_the_corrupt_library(
     fake_compiler: FakeCompiler, tmp_path: Path
 ) -> None:
-    lib = jit.build(["9.0"], cache_dir=tmp_path)
+    lib = jit.build(SPEC, ["9.0"], cache_dir=tmp_path)
     lib.write_bytes(lib.read_bytes()[:100])
     fake_compiler.fail = RuntimeError("nvcc died")
     with pytest.raises(jit.BuildError, match="nvcc died"):
-        jit.build(["9.0"], cache_dir=tmp_path)
+        jit.build(SPEC, ["9.0"], cache_dir=tmp_path)
     assert not lib.exists() and not lib.with_suffix(".sha256").exists()
 
 
@@ -348,35 +359,53 @@ def test_copy_failing_half_way_leaves_no_partial_library(
 
     monkeypatch.setattr(shutil, "copyfile", half_copy)
     with pytest.raises(jit.BuildError, match="No space left on device"):
-        jit.build(["9.0"], cache_dir=tmp_path)
+        jit.build(SPEC, ["9.0"], cache_dir=tmp_path)
     (target,) = tmp_path.iterdir()
-    assert leftovers(target) == [] and not (target / jit.LIBRARY).exists()
+    assert leftovers(target) == [] and not (target / SPEC.library).exists()
 
 
 # --------------------------------------------------------------------------- unwritable cache
 
 
-def test_unwritable_cache_falls_back_to_a_private_folder(
+def test_unwritable_cache_falls_back_to_one_reused_private_folder(
     fake_compiler: FakeCompiler, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The cache path lies under a regular file, so mkdir fails even for root (chmod would not)."""
+    """$FLUX2_FUSED_CACHE_DIR names a regular file (mkdir fails even for root, chmod would not): one
+    warning, the build goes to the per-user fallback folder, and a later run reuses that build."""
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(jit, "_fallback_dirs", {})
-    monkeypatch.setenv(jit.CACHE_ENV, str(blocker / "cache"))
-    with pytest.warns(RuntimeWarning, match="not writable") as record:
-        lib = jit.build(["9.0"])
-    (private,) = (tmp_path / "tmp").iterdir()
-    assert private.name.startswith("flux2-fused-cache-") and lib.is_relative_to(private)
+    monkeypatch.setenv(jit.CACHE_ENV, str(blocker))
+    with pytest.warns(RuntimeWarning, match="not a writable folder") as record:
+        lib = jit.build(SPEC, ["9.0"])
+    fallback = tmp_path / "tmp" / f"flux2-fused-cache-{os.getuid()}"
+    assert lib.is_relative_to(fallback) and list((tmp_path / "tmp").iterdir()) == [fallback]
+    assert fallback.stat().st_mode & 0o777 == 0o700
     message = str(record[0].message)
-    assert str(blocker / "cache") in message and f"building in {private} instead" in message
+    assert str(blocker) in message and f"using {fallback} instead" in message and jit.CACHE_ENV in message
     assert digest_matches(lib)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the same folder again: no second warning, no second build
-        assert jit.build(["9.0"]) == lib
+        warnings.simplefilter("error")  # the same process again: no second warning, no second build
+        assert jit.build(SPEC, ["9.0"]) == lib
+    monkeypatch.setattr(jit, "_fallback_dirs", {})  # a later run: warned again, but built only once
+    with pytest.warns(RuntimeWarning, match="not a writable folder"):
+        assert jit.build(SPEC, ["9.0"]) == lib
     assert len(fake_compiler.calls) == 1
+
+
+def test_fallback_folder_others_can_write_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A per-user fallback folder that is not private (someone made it world-writable) could hold
+    their library: a fresh private folder is used instead and removed at exit."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shared = tmp_path / f"flux2-fused-cache-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)
+    fallback = jit.fallback_cache_dir()
+    assert fallback != shared and fallback.parent == tmp_path and fallback.stat().st_mode & 0o077 == 0
 
 
 # --------------------------------------------------------------------------- concurrent builds
@@ -408,7 +437,7 @@ CHILD = textwrap.dedent(
     tvm_ffi.__version__, tvm_ffi.cpp, cpp.build = "stub", cpp, slow_fake_build
     sys.modules.update({"tvm_ffi": tvm_ffi, "tvm_ffi.cpp": cpp})
     spec = importlib.util.spec_from_file_location("jit", sys.argv[5])
-    jit = importlib.util.module_from_spec(spec)
+    jit = sys.modules["jit"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(jit)
     jit.find_nvcc = lambda: "/opt/fake-cuda/bin/nvcc"
     jit._nvcc_version = lambda nvcc: "fake nvcc 0.0"
@@ -419,7 +448,8 @@ CHILD = textwrap.dedent(
         if time.monotonic() > deadline:
             sys.exit("barrier timed out")
         time.sleep(0.002)
-    print(jit.build(["9.0"], cache_dir=cache))
+    spec = jit.KernelSpec("gated_resnorm", ("gated_resnorm.cu",), ("gated_resnorm.cuh",))
+    print(jit.build(spec, ["9.0"], cache_dir=cache))
     """
 )
 
@@ -458,7 +488,7 @@ def test_four_processes_build_once(tmp_path: Path) -> None:
 def test_corrupt_library_is_detected_and_rebuilt(
     fake_compiler: FakeCompiler, tmp_path: Path, damage: str
 ) -> None:
-    lib = jit.build(["9.0"], cache_dir=tmp_path)
+    lib = jit.build(SPEC, ["9.0"], cache_dir=tmp_path)
     data = lib.read_bytes()
     digest = lib.with_suffix(".sha256")
     if damage == "truncated":
@@ -469,18 +499,18 @@ def test_corrupt_library_is_detected_and_rebuilt(
         digest.unlink()
     else:
         digest.write_text("")
-    assert jit.build(["9.0"], cache_dir=tmp_path) == lib
+    assert jit.build(SPEC, ["9.0"], cache_dir=tmp_path) == lib
     assert len(fake_compiler.calls) == 2
     assert digest_matches(lib) and b"build 2" in lib.read_bytes()
 
 
 def test_leftovers_of_a_killed_build_are_cleaned(fake_compiler: FakeCompiler, tmp_path: Path) -> None:
-    target = jit.build(["9.0"], cache_dir=tmp_path).parent
-    (target / jit.LIBRARY).unlink()
-    (target / f".{jit.LIBRARY}.12345").write_bytes(b"\x7fELF half")  # staged copy of a killed process
+    target = jit.build(SPEC, ["9.0"], cache_dir=tmp_path).parent
+    (target / SPEC.library).unlink()
+    (target / f".{SPEC.library}.12345").write_bytes(b"\x7fELF half")  # staged copy of a killed process
     (target / "build-abc123").mkdir()  # its compiler folder
     (target / "build-abc123" / "gated_resnorm.cuda.o").write_bytes(b"")
-    jit.build(["9.0"], cache_dir=tmp_path)
+    jit.build(SPEC, ["9.0"], cache_dir=tmp_path)
     assert leftovers(target) == []
 
 
@@ -503,10 +533,10 @@ def test_load_failure_deletes_and_rebuilds_once(
         return module
 
     monkeypatch.setattr(tvm_ffi, "load_module", load)
-    assert jit.load_module("9.0") is module
+    assert jit.load_module(SPEC, "9.0") is module
     assert len(fake_compiler.calls) == 2
     assert "build 1" in loaded[0] and "build 2" in loaded[1]  # the second load read the new library
-    assert jit.load_module("9.0") is module and len(loaded) == 2  # memoized
+    assert jit.load_module(SPEC, "9.0") is module and len(loaded) == 2  # memoized
 
 
 @pytest.mark.usefixtures("fresh_load_module")
@@ -521,7 +551,7 @@ def test_load_failing_twice_is_a_build_error(
 
     monkeypatch.setattr(tvm_ffi, "load_module", load)
     with pytest.raises(jit.BuildError, match=r"also after a rebuild: libcudart\.so\.13") as info:
-        jit.load_module("9.0")
+        jit.load_module(SPEC, "9.0")
     assert "invalid ELF header" in str(info.value)
     assert len(fake_compiler.calls) == 2
 
@@ -537,10 +567,12 @@ WITHOUT_TVM_FFI = textwrap.dedent(
     import flux2_fused.models.flux2
     import flux2_fused.ops
     import torch
-    from flux2_fused.ops import can_use_flux2_gated_resnorm, jit
+    from flux2_fused.ops import jit
+    from flux2_fused.ops.gated_resnorm import guards
+    from flux2_fused.ops.gated_resnorm.launch import SPEC
 
-    assert can_use_flux2_gated_resnorm(*(torch.zeros(1, 2, 8, dtype=torch.bfloat16),) * 5) is False
-    for attempt in (lambda: jit.build(["9.0"]), lambda: jit.load_module("9.0")):
+    assert guards.gated(*(torch.zeros(1, 2, 8, dtype=torch.bfloat16),) * 5) is False
+    for attempt in (lambda: jit.build(SPEC, ["9.0"]), lambda: jit.load_module(SPEC, "9.0")):
         try:
             attempt()
         except jit.BuildError as exc:

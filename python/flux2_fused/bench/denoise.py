@@ -53,7 +53,7 @@ JSON fields (`--json FILE`; times in ms unless the name says s):
 - bit_exact: the final latents of both modes are identical (torch.equal and equal SHA-256)
 - fused_active: the fused kernel really ran in the fused mode (self-check passed, launches seen)
 - fused_status: why the fused path was or was not active, in words
-- self_checks: the kernel self-check verdicts of this process: device, dim, dtype, passed, detail, seconds
+- self_checks: the kernel self-check verdicts of this process: op, device, config, passed, detail, seconds
 - notes: the notes printed before the run (machine-dependent choices, fallbacks)
 - build_s: seconds to build or load the model
 - total_s: seconds for the whole run
@@ -95,8 +95,8 @@ from tqdm import tqdm
 from .. import __version__
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from ..models.weights import CONFIG_NAME, WeightsError, read_config, shard_files
-from ..ops import DISABLE_ENV, enabled, jit, self_check_records
-from ..ops.gated_resnorm import SUPPORTED_DTYPES, self_check
+from ..ops import DISABLE_ENV, OPS, jit, kill_switch, self_check_records
+from ..ops.gated_resnorm import SUPPORTED_DTYPES
 from .step import FUSED_KERNEL, tensor_sha256
 from .timing import event_ms
 
@@ -123,8 +123,6 @@ _SITE_PATTERNS = (
         re.compile(r"elementwise_kernel|^aten::(?:add|mul|sub|div|neg|silu|clamp|clip|cos|sin|exp|pow)_?$"),
     ),
 )
-VERIFY_DIMS = (3072, 4096, 6144, 8192, 16384, 4100)  # 4100 % 512 == 4: a partial last pass of the row
-VERIFY_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class BenchError(Exception):
@@ -233,7 +231,7 @@ def fused_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
         )
     if dtype not in SUPPORTED_DTYPES:
         return "the fused kernel takes bf16 and fp16 only: with fp32 both modes run eager"
-    if not enabled():
+    if kill_switch():
         return f"{DISABLE_ENV} is set: both modes run eager"
     return None
 
@@ -490,8 +488,8 @@ def build_model(p: Plan) -> Flux2Transformer:
 
 def _self_check_dicts() -> list[dict]:
     return [
-        {"device": device, "dim": dim, "dtype": dtype.removeprefix("torch."), **asdict(record)}
-        for (device, dim, dtype, _torch), record in self_check_records().items()
+        {"op": op, "device": device, "config": config, **asdict(record)}
+        for (op, device, config, _torch), record in self_check_records().items()
     ]
 
 
@@ -501,11 +499,11 @@ def _fused_status(p: Plan, fused: ModeResult, checks: list[dict]) -> tuple[bool,
         return False, p.fused_unavailable
     failed = next((c for c in checks if not c["passed"]), None)
     if failed is not None:
-        return False, f"self-check failed for D={failed['dim']} {failed['dtype']}: {failed['detail']}"
+        return False, f"self-check failed for {failed['op']} {failed['config']}: {failed['detail']}"
     launches = fused.site_launches["fused"]
     if launches == 0:
         return False, "no fused kernel ran (the guards declined every site)"
-    passed = ", ".join(f"D={c['dim']} {c['dtype']} in {c['seconds']:.2f} s" for c in checks)
+    passed = ", ".join(f"{c['op']} {c['config']} in {c['seconds']:.2f} s" for c in checks)
     return True, f"{launches} fused launches a step; self-check passed ({passed})"
 
 
@@ -684,35 +682,35 @@ def require_cuda(what: str) -> torch.device:
 
 @dataclass
 class VerifyRow:
-    dim: int
-    dtype: str
+    op: str
+    config: str
     passed: bool
     detail: str
     seconds: float
 
 
 def verify_kernel() -> list[VerifyRow]:
-    """The kernel's live bit-exactness self-check on this GPU, for every D x dtype in VERIFY_DIMS."""
+    """Every op's live bit-exactness self-check on this GPU, for each of its verify configurations."""
     device = require_cuda("verify")
-    jit.load_module(jit.device_arch(device))  # build once up front: a failed build is one error, not 12
     rows = []
-    for dim in VERIFY_DIMS:
-        for name, dtype in VERIFY_DTYPES.items():
+    for op in OPS:
+        jit.module_for(op.spec, device)  # build once up front: a failed build is one error, not 12
+        for config in op.verify_configs:
             start = time.perf_counter()
             try:
                 with torch.inference_mode():
-                    passed, detail = self_check(device, dim, dtype)
+                    passed, detail = op.self_check(device, config)
             except Exception as exc:  # a crash is a failed check of this row; the others still run
                 passed, detail = False, f"{type(exc).__name__}: {exc}"
-            rows.append(VerifyRow(dim, name, passed, detail, time.perf_counter() - start))
+            rows.append(VerifyRow(op.name, str(config), passed, detail, time.perf_counter() - start))
     return rows
 
 
 def format_verify(rows: Sequence[VerifyRow]) -> str:
     device = torch.cuda.get_device_name()
     table = markdown_table(
-        ["D", "dtype", "passed", "detail", "seconds"],
-        [[r.dim, r.dtype, "yes" if r.passed else "NO", r.detail, f"{r.seconds:.3f}"] for r in rows],
+        ["op", "configuration", "passed", "detail", "seconds"],
+        [[r.op, r.config, "yes" if r.passed else "NO", r.detail, f"{r.seconds:.3f}"] for r in rows],
     )
     failed = sum(not r.passed for r in rows)
     verdict = "all bit-exact" if not failed else f"{failed} of {len(rows)} FAILED"
@@ -743,5 +741,6 @@ def build_command(archs: Sequence[str]) -> int:
         print(
             f"flux2-fused: building the kernels for sm {arch} (cached after the first build)", file=sys.stderr
         )
-        print(f"{arch}: {jit.build([arch])}")
+        for op in OPS:
+            print(f"{arch} {op.name}: {jit.build(op.spec, [arch])}")
     return 0

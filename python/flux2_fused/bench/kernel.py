@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..ops import bits_equal, can_use_flux2_gated_resnorm, flux2_gated_resnorm_raw, gated_resnorm_reference
+from ..ops import bits_equal
+from ..ops.gated_resnorm import gated_resnorm, gated_resnorm_decline_reason, gated_resnorm_reference
 from .timing import copy_bandwidth_gbs, graphed, interleaved_median_us
 
 DEFAULT_SHAPES = [
@@ -77,17 +78,17 @@ def bench_shape(dim: int, tokens: int, batch: int, dtype: torch.dtype, copy_gbs:
     bytes_per_set = 4 * batch * tokens * dim * torch.finfo(dtype).bits // 8
     n_sets = max(1, min(16, -(-L2_FLUSH_BYTES // bytes_per_set)))
     sets = [_inputs(batch, tokens, dim, dtype) for _ in range(n_sets)]
-    if not can_use_flux2_gated_resnorm(*sets[0]):
+    if gated_resnorm_decline_reason(*sets[0]) is not None:
         raise RuntimeError(f"fused path declined D={dim} T={tokens}")
     ref = gated_resnorm_reference(*sets[0])
-    got = flux2_gated_resnorm_raw(*sets[0])
+    got = gated_resnorm(*sets[0])
     exact = bits_equal(got[0], ref[0]) and bits_equal(got[1], ref[1])
 
     eager = _rotating(gated_resnorm_reference, sets)
-    fused = _rotating(flux2_gated_resnorm_raw, sets)
+    fused = _rotating(gated_resnorm, sets)
     # Graphs capture GRAPH_REPEATS calls, rotating over the input sets, and are timed per call.
     eager_graph = graphed(_rotating(gated_resnorm_reference, sets), GRAPH_REPEATS)
-    fused_graph = graphed(_rotating(flux2_gated_resnorm_raw, sets), GRAPH_REPEATS)
+    fused_graph = graphed(_rotating(gated_resnorm, sets), GRAPH_REPEATS)
     fns = [eager, eager_graph, fused, fused_graph]
     if compile_chain is not None:
         fns.append(_rotating(compile_chain, sets))

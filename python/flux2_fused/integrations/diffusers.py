@@ -47,7 +47,6 @@ class FusedHandle:
 
     transformer: torch.nn.Module
     model: Flux2Transformer
-    original_forward: Any
 
     def disable(self) -> None:
         """Restore diffusers' own forward."""
@@ -113,6 +112,6 @@ def enable(transformer: torch.nn.Module, fused: bool = True) -> FusedHandle:
         return Flux2Transformer2DModelOutput(sample=sample)
 
     transformer.forward = forward
-    handle = FusedHandle(transformer, model, original)
+    handle = FusedHandle(transformer, model)
     transformer._flux2_fused_handle = handle
     return handle

@@ -6,32 +6,23 @@ on a `PendingGatedResidual` and the next norm runs one fused kernel that writes 
 and the modulated norm. Whatever reads a stream otherwise (a concat, a slice, a hook, an fp16 clip,
 a block's public forward) calls `materialize`, which is the eager chain itself, so a declined or
 disabled fast path gives the same bits by the same code path.
+
+Every site reaches the kernel through the op's one entry point, `gated_resnorm.apply` (eager mode)
+or its torch.library operators (under torch.compile, where the guards cannot be traced).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from ..ops import gated_resnorm as ops
-from ..ops import library
+from ..ops import gated_resnorm
+from ..ops.gated_resnorm import Segment
 
-
-@dataclass(frozen=True)
-class PendingGatedResidual:
-    """`residual + gate * update`, not yet computed. residual and update are [B, T, D]."""
-
-    residual: torch.Tensor
-    update: torch.Tensor
-    gate: torch.Tensor
-
-    def materialize(self) -> torch.Tensor:
-        return self.residual + self.gate * self.update
-
-    def rows(self, start: int) -> PendingGatedResidual:
-        """The same pending update restricted to tokens [start:] (views; nothing is computed)."""
-        return PendingGatedResidual(self.residual[:, start:], self.update[:, start:], self.gate)
+# `residual + gate * update`, not yet computed: the op's gated segment (residual and update [B, T, D]).
+PendingGatedResidual = Segment
 
 
 @dataclass(frozen=True)
@@ -53,25 +44,49 @@ def materialize(stream: Stream) -> torch.Tensor:
     return stream if isinstance(stream, torch.Tensor) else stream.materialize()
 
 
+def stream_rows(x: Stream, start: int) -> Stream:
+    """Tokens [start:] of a stream; a pending update stays pending, so only those rows are ever
+    computed (elementwise, so they equal the same rows of the whole stream bit for bit)."""
+    return x.rows(start) if isinstance(x, Segment) else materialize(x)[:, start:]
+
+
+def _segments(x: Stream) -> list[Segment]:
+    """The stream as the op's input rows: a concat of two pending updates stays two segments (the
+    kernel writes the concat's buffer itself); any other concat is materialized first."""
+    if isinstance(x, PendingConcat):
+        if isinstance(x.first, Segment) and isinstance(x.second, Segment):
+            return [x.first, x.second]
+        return [Segment(x.materialize())]
+    return [x if isinstance(x, Segment) else Segment(x)]
+
+
+class Normed(NamedTuple):
+    """A norm site's results: the modulated norm, and the stream it normalized, materialized."""
+
+    out: torch.Tensor
+    stream: torch.Tensor
+
+
 class ResidualFusion:
     """Where each residual site goes: fused (deferred) when the guards prove it exact, else eager.
 
-    One instance is shared by a model and its blocks; `enabled` is the model's `fused` switch.
+    One instance is shared by a model and its blocks (handed to each block's constructor); `fused`
+    is the model's switch.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
+    def __init__(self, fused: bool = True) -> None:
+        self.fused = fused
 
     def _active(self) -> bool:
         """Eager mode with the fast path on: the guards decide site by site, here and now."""
-        return self.enabled and not torch.compiler.is_compiling()
+        return self.fused and not torch.compiler.is_compiling()
 
     def _traced(self) -> bool:
         """torch.compile tracing with the fast path on: the guards (data pointers, live self-checks)
-        cannot be traced, so every site becomes a flux2_fused custom op that decides when it runs."""
-        return self.enabled and torch.compiler.is_compiling()
+        cannot be traced, so every site becomes a flux2_fused operator that decides when it runs."""
+        return self.fused and torch.compiler.is_compiling()
 
-    def add(self, x: Stream, gate: torch.Tensor, update: torch.Tensor, clip_fp16: bool = False) -> Stream:
+    def add(self, x: Stream, update: torch.Tensor, gate: torch.Tensor, clip_fp16: bool = False) -> Stream:
         """`x + gate * update`, deferred where the next fused norm can consume it.
 
         clip_fp16: diffusers saturates this stream at +-65504 in fp16, which must happen before any
@@ -80,70 +95,39 @@ class ResidualFusion:
         x = materialize(x)
         if clip_fp16 and x.dtype == torch.float16:
             return (x + gate * update).clip(-65504.0, 65504.0)
-        if self._traced() or (self._active() and ops.can_defer_flux2_gated_residual(x, update, gate)):
+        if self._traced() or (self._active() and gated_resnorm.can_defer(x, update, gate)):
             return PendingGatedResidual(x, update, gate)
         return x + gate * update
 
-    def norm(
-        self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the stream materialized, `(1 + scale) * layer_norm(stream) + shift`), in one launch when
-        the fused kernel accepts the call."""
+    def norm(self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> Normed:
+        """`(1 + scale) * layer_norm(stream) + shift` and the stream, in one launch where the fused
+        kernel accepts the call."""
         if self._traced():
-            if isinstance(x, PendingGatedResidual):
-                out, stream = library.gated_resnorm(x.residual, x.update, x.gate, scale, shift, eps)
-                return stream, out
-            x = materialize(x)
-            return x, library.modnorm(x, scale, shift, eps)
-        if self._active():
-            fused = self._fused_norm(x, scale, shift, eps, write_residual=True)
-            if fused is not None:
-                return fused
-        x = materialize(x)
-        return x, ops.modnorm_reference(x, scale, shift, eps)
+            return Normed(*self._traced_norm(x, scale, shift, eps))
+        if not self._active():
+            stream = materialize(x)
+            return Normed(gated_resnorm.modnorm_reference(stream, scale, shift, eps), stream)
+        out, stream = gated_resnorm.apply(_segments(x), scale, shift, eps, write_residual=True)
+        assert stream is not None
+        return Normed(out, stream)
 
-    def output_norm(
-        self, x: Stream, start: int, scale: torch.Tensor, shift: torch.Tensor, eps: float
-    ) -> torch.Tensor:
-        """The modulated norm of tokens [start:] of a stream that nothing reads afterwards: the
-        pending update of the other tokens is never computed and the stream itself never written."""
-        if self._traced() and isinstance(x, PendingGatedResidual):
-            rows = x.rows(start)
-            return library.gated_resnorm(rows.residual, rows.update, rows.gate, scale, shift, eps)[0]
-        if self._active() and isinstance(x, PendingGatedResidual):
-            fused = self._fused_norm(x.rows(start), scale, shift, eps, write_residual=False)
-            if fused is not None:
-                return fused[1]  # the stream slot holds a placeholder: nothing reads it
-        rows = materialize(x)[:, start:]
-        return self.norm(rows, scale, shift, eps)[1]
+    def output_norm(self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+        """The modulated norm of a stream that nothing reads afterwards: a pending update is consumed
+        by the norm and never written out."""
+        if self._traced():
+            return self._traced_norm(x, scale, shift, eps)[0]
+        if not self._active():
+            return gated_resnorm.modnorm_reference(materialize(x), scale, shift, eps)
+        return gated_resnorm.apply(_segments(x), scale, shift, eps, write_residual=False)[0]
 
-    def _fused_norm(
-        self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float, write_residual: bool
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(stream, modulated norm) from one fused launch, or None where the guards decline.
+    @staticmethod
+    def _traced_norm(
+        x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, stream) through the flux2_fused operators, which decide at run time."""
+        from ..ops.gated_resnorm import library
 
-        The stream is the materialized pending update (only written when write_residual), else x.
-        A concat of two pending updates is written straight into its buffer by a two-segment launch;
-        a concat with a real stream in it is materialized first (an fp16 clip site).
-        """
-        if isinstance(x, PendingConcat):
-            first, second = x.first, x.second
-            if isinstance(first, PendingGatedResidual) and isinstance(second, PendingGatedResidual):
-                if first.residual.shape[0] != second.residual.shape[0] or not all(
-                    ops.can_use_flux2_gated_resnorm(p.residual, p.update, p.gate, scale, shift)
-                    for p in (first, second)
-                ):
-                    return None
-                segments = [ops.Segment(p.residual, p.update, p.gate) for p in (first, second)]
-                out, residual = ops.launch(segments, scale, shift, eps, write_residual=write_residual)
-                return (residual if residual is not None else x.first.residual), out
-            x = x.materialize()
-        if isinstance(x, PendingGatedResidual):
-            if not ops.can_use_flux2_gated_resnorm(x.residual, x.update, x.gate, scale, shift):
-                return None
-            segment = ops.Segment(x.residual, x.update, x.gate)
-            out, residual = ops.launch([segment], scale, shift, eps, write_residual=write_residual)
-            return (residual if residual is not None else x.residual), out
-        if not ops.can_use_flux2_modnorm(x, scale, shift):
-            return None
-        return x, ops.launch([ops.Segment(x)], scale, shift, eps, write_residual=False)[0]
+        if isinstance(x, Segment) and x.gated:
+            return library.gated_resnorm(x.residual, x.update, x.gate, scale, shift, eps)
+        stream = x.residual if isinstance(x, Segment) else materialize(x)
+        return library.modnorm(stream, scale, shift, eps), stream

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flux2_fused.models.deferral import PendingConcat, ResidualFusion, Stream, materialize
+from flux2_fused.models.deferral import PendingConcat, ResidualFusion, Stream, materialize, stream_rows
 from flux2_fused.models.weights import (
     CONFIG_NAME,
     WeightsError,
@@ -357,10 +357,12 @@ class Flux2DoubleBlock(nn.Module):
     meeting only inside the joint attention.
 
     The norm modules hold no parameters; they are kept so module paths (and their eps) match diffusers,
-    while the computation goes through the shared `ResidualFusion`.
+    while the computation goes through the model's `ResidualFusion`, handed in as `fusion`.
     """
 
-    def __init__(self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float) -> None:
+    def __init__(
+        self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float, *, fusion: ResidualFusion
+    ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.norm1_context = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
@@ -369,7 +371,7 @@ class Flux2DoubleBlock(nn.Module):
         self.ff = Flux2FeedForward(dim, mlp_hidden)
         self.norm2_context = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.ff_context = Flux2FeedForward(dim, mlp_hidden)
-        self.fusion = ResidualFusion()
+        self.fusion = fusion
 
     def forward(
         self, x: torch.Tensor, c: torch.Tensor, mod_img: torch.Tensor, mod_txt: torch.Tensor, rope: Rope
@@ -391,26 +393,28 @@ class Flux2DoubleBlock(nn.Module):
         (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split_modulation(
             mod_txt, 2
         )
-        x, x_norm = fusion.norm(x, scale_msa, shift_msa, self.norm1.eps)
-        c, c_norm = fusion.norm(c, c_scale_msa, c_shift_msa, self.norm1_context.eps)
+        x_norm, x = fusion.norm(x, scale_msa, shift_msa, self.norm1.eps)
+        c_norm, c = fusion.norm(c, c_scale_msa, c_shift_msa, self.norm1_context.eps)
         x_attn, c_attn = self.attn(x_norm, c_norm, rope)
-        x, x_norm = fusion.norm(fusion.add(x, gate_msa, x_attn), scale_mlp, shift_mlp, self.norm2.eps)
-        x_next = fusion.add(x, gate_mlp, self.ff(x_norm))
-        c, c_norm = fusion.norm(
-            fusion.add(c, c_gate_msa, c_attn), c_scale_mlp, c_shift_mlp, self.norm2_context.eps
+        x_norm, x = fusion.norm(fusion.add(x, x_attn, gate_msa), scale_mlp, shift_mlp, self.norm2.eps)
+        x_next = fusion.add(x, self.ff(x_norm), gate_mlp)
+        c_norm, c = fusion.norm(
+            fusion.add(c, c_attn, c_gate_msa), c_scale_mlp, c_shift_mlp, self.norm2_context.eps
         )
-        c_next = fusion.add(c, c_gate_mlp, self.ff_context(c_norm), clip_fp16=True)
+        c_next = fusion.add(c, self.ff_context(c_norm), c_gate_mlp, clip_fp16=True)
         return x_next, c_next
 
 
 class Flux2SingleBlock(nn.Module):
     """Single-stream block over the joint [text; image] sequence; fp16 results are clipped."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float) -> None:
+    def __init__(
+        self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float, *, fusion: ResidualFusion
+    ) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.attn = Flux2ParallelAttention(dim, heads, head_dim, mlp_hidden, eps)
-        self.fusion = ResidualFusion()
+        self.fusion = fusion
 
     def forward(self, h: torch.Tensor, mod: torch.Tensor, rope: Rope) -> torch.Tensor:
         """(h [B, L + N, D], mod [B, 3D], rope) -> h, materialized."""
@@ -419,8 +423,8 @@ class Flux2SingleBlock(nn.Module):
     def forward_streams(self, h: Stream, mod: torch.Tensor, rope: Rope) -> Stream:
         """The block on a possibly-pending stream; returns its parallel attention+MLP update pending."""
         ((shift, scale, gate),) = split_modulation(mod, 1)
-        h, h_norm = self.fusion.norm(h, scale, shift, self.norm.eps)
-        return self.fusion.add(h, gate, self.attn(h_norm, rope), clip_fp16=True)
+        h_norm, h = self.fusion.norm(h, scale, shift, self.norm.eps)
+        return self.fusion.add(h, self.attn(h_norm, rope), gate, clip_fp16=True)
 
 
 class Flux2OutputNorm(nn.Module):
@@ -428,20 +432,19 @@ class Flux2OutputNorm(nn.Module):
     (scale, shift) - scale FIRST, unlike the blocks' (shift, scale, gate) - around an affine-free
     LayerNorm."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, *, fusion: ResidualFusion) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, 2 * dim, bias=False)
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
-
-        self.fusion = ResidualFusion()
+        self.fusion = fusion
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        return self.forward_streams(x, 0, temb)
+        return self.forward_streams(x, temb)
 
-    def forward_streams(self, h: Stream, start: int, temb: torch.Tensor) -> torch.Tensor:
-        """The output norm of tokens [start:] of a possibly-pending stream (the image rows)."""
+    def forward_streams(self, x: Stream, temb: torch.Tensor) -> torch.Tensor:
+        """The output norm of a possibly-pending stream that nothing reads afterwards."""
         scale, shift = self.linear(F.silu(temb)).chunk(2, dim=1)
-        return self.fusion.output_norm(h, start, scale[:, None, :], shift[:, None, :], self.norm.eps)
+        return self.fusion.output_norm(x, scale[:, None, :], shift[:, None, :], self.norm.eps)
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -452,6 +455,14 @@ def _has_hooks(module: nn.Module) -> bool:
         or torch.nn.modules.module._global_forward_hooks
         or torch.nn.modules.module._global_forward_pre_hooks
     )
+
+
+def _call(module: nn.Module, streams: tuple[Stream, ...], *args: Any) -> Any:
+    """`module.forward_streams(*streams, *args)`; where hooks are attached, the module's public call
+    on the streams materialized instead, so hooks see real tensors and may replace them."""
+    if _has_hooks(module):
+        return module(*(materialize(s) for s in streams), *args)
+    return module.forward_streams(*streams, *args)
 
 
 class Flux2Transformer(nn.Module):
@@ -465,6 +476,8 @@ class Flux2Transformer(nn.Module):
         super().__init__()
         self.config = config
         dim, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
+        # One switch for every site: the blocks share the model's ResidualFusion.
+        self.fusion = ResidualFusion(fused=fused)
         block_args = (dim, heads, head_dim, config.mlp_hidden_dim, config.eps)
         self.pos_embed = Flux2PosEmbed(config.rope_theta, config.axes_dims_rope)
         self.time_guidance_embed = Flux2TimestepGuidanceEmbedding(
@@ -476,18 +489,13 @@ class Flux2Transformer(nn.Module):
         self.x_embedder = nn.Linear(config.in_channels, dim, bias=False)
         self.context_embedder = nn.Linear(config.joint_attention_dim, dim, bias=False)
         self.transformer_blocks = nn.ModuleList(
-            [Flux2DoubleBlock(*block_args) for _ in range(config.num_layers)]
+            [Flux2DoubleBlock(*block_args, fusion=self.fusion) for _ in range(config.num_layers)]
         )
         self.single_transformer_blocks = nn.ModuleList(
-            [Flux2SingleBlock(*block_args) for _ in range(config.num_single_layers)]
+            [Flux2SingleBlock(*block_args, fusion=self.fusion) for _ in range(config.num_single_layers)]
         )
-        self.norm_out = Flux2OutputNorm(dim, config.eps)
+        self.norm_out = Flux2OutputNorm(dim, config.eps, fusion=self.fusion)
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels, bias=False)
-        # One switch for every site: blocks share the model's ResidualFusion.
-        self.fusion = ResidualFusion(enabled=fused)
-        for module in self.modules():
-            if module is not self and hasattr(module, "fusion"):
-                module.fusion = self.fusion
 
     @property
     def fused(self) -> bool:
@@ -496,11 +504,11 @@ class Flux2Transformer(nn.Module):
         On by default; `Flux2Transformer(config, fused=False)`, `model.fused = False` or the environment
         variable FLUX2_FUSED_DISABLE=1 turn it off. Outputs are bit-identical either way.
         """
-        return self.fusion.enabled
+        return self.fusion.fused
 
     @fused.setter
     def fused(self, value: bool) -> None:
-        self.fusion.enabled = bool(value)
+        self.fusion.fused = bool(value)
 
     def rope(self, img_ids: torch.Tensor, txt_ids: torch.Tensor, device: torch.device) -> Rope:
         """Joint RoPE tables, text rows first, built where the ids live and then moved to `device`.
@@ -541,20 +549,11 @@ class Flux2Transformer(nn.Module):
         x_s: Stream = x
         c_s: Stream = c
         for block in self.transformer_blocks:
-            if _has_hooks(block):  # hooks see real tensors, so this block runs through its public forward
-                x_s, c_s = block(materialize(x_s), materialize(c_s), mod_img, mod_txt, rope)
-            else:
-                x_s, c_s = block.forward_streams(x_s, c_s, mod_img, mod_txt, rope)
+            x_s, c_s = _call(block, (x_s, c_s), mod_img, mod_txt, rope)
         h: Stream = PendingConcat(c_s, x_s)
         for block in self.single_transformer_blocks:
-            if _has_hooks(block):
-                h = block(materialize(h), mod_single, rope)
-            else:
-                h = block.forward_streams(h, mod_single, rope)
-        if _has_hooks(self.norm_out):
-            out = self.norm_out(materialize(h)[:, txt_tokens:], temb)
-        else:
-            out = self.norm_out.forward_streams(h, txt_tokens, temb)
+            h = _call(block, (h,), mod_single, rope)
+        out = _call(self.norm_out, (stream_rows(h, txt_tokens),), temb)
         return self.proj_out(out)
 
     @classmethod

@@ -1,39 +1,28 @@
-"""Fused CUDA ops: the gated-residual + LayerNorm + adaLN kernel, its guards and eager references."""
+"""Fused CUDA ops, one package each, every one bit-exact to the eager chain it replaces.
 
-from .gated_resnorm import (
-    DISABLE_ENV,
-    MAX_DIM,
-    Segment,
-    bits_equal,
-    can_defer_flux2_gated_residual,
-    can_use_flux2_gated_resnorm,
-    can_use_flux2_modnorm,
-    defer_decline_reason,
-    enabled,
-    flux2_gated_resnorm_raw,
-    flux2_modnorm_raw,
-    gated_resnorm_decline_reason,
-    gated_resnorm_reference,
-    modnorm_decline_reason,
-    modnorm_reference,
-    self_check_records,
-)
+Each op package (`gated_resnorm/`, ...) holds its eager reference (the contract), its guards, its
+launcher and kernel spec, its self-check and its torch.library operators, and exports one entry
+point that guards and launches, falling back to the reference. What every op shares lives beside
+them: `jit` (building and loading kernels), `runtime` (kill switch, self-check verdicts),
+`verdicts` (guard machinery) and `bits` (bit-level comparison). docs/architecture.md says how a
+new op plugs in.
+"""
+
+from . import gated_resnorm
+from .bits import bits_equal, random_bits
+from .runtime import DISABLE_ENV, FusedOp, kill_switch, self_check_records
+
+# Every op with a kernel: `flux2-fused build` compiles their specs, `flux2-fused verify` runs their
+# self-checks.
+OPS: tuple[FusedOp, ...] = (gated_resnorm.OP,)
 
 __all__ = [
     "DISABLE_ENV",
-    "MAX_DIM",
-    "Segment",
+    "OPS",
+    "FusedOp",
     "bits_equal",
-    "can_defer_flux2_gated_residual",
-    "can_use_flux2_gated_resnorm",
-    "can_use_flux2_modnorm",
-    "defer_decline_reason",
-    "enabled",
-    "flux2_gated_resnorm_raw",
-    "flux2_modnorm_raw",
-    "gated_resnorm_decline_reason",
-    "gated_resnorm_reference",
-    "modnorm_decline_reason",
-    "modnorm_reference",
+    "gated_resnorm",
+    "kill_switch",
+    "random_bits",
     "self_check_records",
 ]

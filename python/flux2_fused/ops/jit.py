@@ -1,6 +1,10 @@
 """Just-in-time build of the CUDA kernels through apache-tvm-ffi, with a content-addressed disk cache.
 
-Why JIT: the kernel is compiled for exactly the GPU present, needs neither torch headers nor a GPU
+Each op declares its sources as a `KernelSpec` (its own package's `launch.py`), the way flashinfer's
+`gen_*_module` functions do; this module builds and loads any spec and keeps the one cache of loaded
+modules, so no op holds kernel-loading state of its own.
+
+Why JIT: the kernels are compiled for exactly the GPU present, needs neither torch headers nor a GPU
 to build (CI compiles it on a CPU machine), and one wheel serves every architecture. The cache key
 covers everything that changes the machine code: the sources' bytes, the compiler flags, the target
 architectures and the nvcc and tvm-ffi versions.
@@ -23,21 +27,20 @@ import functools
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("gated_resnorm.cu", "gated_resnorm.cuh")
-MODULE_NAME = "flux2_fused_ops"
 # No --use_fast_math: the kernel's bit-exactness rests on IEEE division and no flush-to-zero.
 CUDA_FLAGS = ("-std=c++17", "-lineinfo")
 CACHE_ENV = "FLUX2_FUSED_CACHE_DIR"
-LIBRARY = f"{MODULE_NAME}.so"
 # Where a toolkit usually lives when neither $CUDA_HOME nor $CUDA_PATH says; searched before PATH.
 DEFAULT_CUDA_HOMES = ("/usr/local/cuda",)
 
@@ -49,6 +52,24 @@ _fallback_dirs: dict[Path, Path] = {}
 
 class BuildError(RuntimeError):
     """The kernel could not be built or loaded; the message names the cause."""
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One op's CUDA module: the `.cu` files compiled into it and the headers they include (both in
+    csrc/, both part of the cache key). `name` names the module, its library file and its cache folder."""
+
+    name: str
+    sources: tuple[str, ...]
+    headers: tuple[str, ...] = ()
+
+    @property
+    def module_name(self) -> str:
+        return f"flux2_fused_{self.name}"
+
+    @property
+    def library(self) -> str:
+        return f"{self.module_name}.so"
 
 
 def cache_root() -> Path:
@@ -97,18 +118,18 @@ def normalize_arch(arch: str) -> str:
     return f"{int(major)}.{int(minor)}{suffix}"
 
 
-def cache_key(archs: Sequence[str], nvcc: str) -> str:
-    """The cache folder name: a digest of everything that changes the compiled library."""
+def cache_key(spec: KernelSpec, archs: Sequence[str], nvcc: str) -> str:
+    """The cache folder name: the module's name and a digest of everything that changes its library."""
     import tvm_ffi
 
     h = hashlib.sha256()
-    for name in SOURCES:
+    for name in (*spec.sources, *spec.headers):
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
     for part in (*CUDA_FLAGS, "|", *archs, "|", _nvcc_version(nvcc), "|", tvm_ffi.__version__):
         h.update(part.encode())
         h.update(b"\0")
-    return h.hexdigest()[:24]
+    return f"{spec.name}-{h.hexdigest()[:24]}"
 
 
 def _sha256(path: Path) -> str:
@@ -160,30 +181,52 @@ def _build_env(archs: Sequence[str], nvcc: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _writable_cache(root: Path) -> Path:
-    """`root`, created if needed; if it cannot be written, a private temporary folder instead.
+def _owned_private_folder(path: Path) -> bool:
+    """True when `path` is a real folder that only this user owns and can write (0o700 or stricter)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
 
-    The fallback is made once per root and process (one warning, one build per key) and removed
-    at exit. It is private (mkdtemp) rather than a fixed shared path because a library loaded
-    from a folder others can write to would run their code.
+
+def fallback_cache_dir() -> Path:
+    """The folder builds go to when the configured cache cannot be written: one per user, reused
+    by every run (so an unusable $FLUX2_FUSED_CACHE_DIR costs one build, not one a run).
+
+    It must be private: a library loaded from a folder others can write to would run their code.
+    When the per-user folder exists but is not this user's private folder, a fresh private one is
+    made for this process and removed at exit.
     """
+    shared = Path(tempfile.gettempdir()) / f"flux2-fused-cache-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        shared.mkdir(mode=0o700)
+    if _owned_private_folder(shared):
+        return shared
+    private = Path(tempfile.mkdtemp(prefix="flux2-fused-cache-"))
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+    return private
+
+
+def _writable_cache(root: Path) -> Path:
+    """`root`, created if needed; if it cannot be written, `fallback_cache_dir()` with one warning
+    per root and process."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=root, prefix=".probe-"):
             return root
     except OSError as exc:
         with _build_lock:
-            private = _fallback_dirs.get(root)
-            if private is None:
-                private = _fallback_dirs[root] = Path(tempfile.mkdtemp(prefix="flux2-fused-cache-"))
-                atexit.register(shutil.rmtree, private, ignore_errors=True)
+            fallback = _fallback_dirs.get(root)
+            if fallback is None:
+                fallback = _fallback_dirs[root] = fallback_cache_dir()
                 warnings.warn(
-                    f"flux2-fused: kernel cache {root} is not writable ({exc}); "
-                    f"building in {private} instead",
+                    f"flux2-fused: kernel cache {root} is not a writable folder ({exc}); "
+                    f"using {fallback} instead (set {CACHE_ENV} to a writable folder)",
                     RuntimeWarning,
                     stacklevel=3,
                 )
-        return private
+        return fallback
 
 
 def _remove_library(lib: Path) -> None:
@@ -196,7 +239,7 @@ def _remove_library(lib: Path) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _compile(archs: Sequence[str], nvcc: str, lib: Path) -> None:
+def _compile(spec: KernelSpec, archs: Sequence[str], nvcc: str, lib: Path) -> None:
     """Compile in a private folder and publish `lib` with its digest; the caller holds the file lock.
 
     The library is copied to a hidden name and renamed into place only once its digest is written,
@@ -211,8 +254,8 @@ def _compile(archs: Sequence[str], nvcc: str, lib: Path) -> None:
     try:
         with _build_env(archs, nvcc):
             built = tvm_ffi.cpp.build(
-                MODULE_NAME,
-                cuda_files=[str(CSRC / "gated_resnorm.cu")],
+                spec.module_name,
+                cuda_files=[str(CSRC / name) for name in spec.sources],
                 extra_cuda_cflags=list(CUDA_FLAGS),
                 extra_include_paths=[str(CSRC)],
                 # Some toolkits keep libcudart under lib/ rather than the lib64/ tvm-ffi uses.
@@ -228,8 +271,26 @@ def _compile(archs: Sequence[str], nvcc: str, lib: Path) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def build(archs: Sequence[str], cache_dir: Path | None = None) -> Path:
-    """Compile the kernels for `archs` (e.g. ['9.0', '10.0']) unless cached; return the library path.
+def library_path(spec: KernelSpec, archs: Sequence[str], cache_dir: Path | None = None) -> Path | None:
+    """Where `build(spec, archs)` puts its library, or None when no toolkit is found to key it by."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return None
+    root = cache_dir if cache_dir is not None else cache_root()
+    return root / cache_key(spec, sorted({normalize_arch(a) for a in archs}), nvcc) / spec.library
+
+
+def is_cached(spec: KernelSpec, archs: Sequence[str], cache_dir: Path | None = None) -> bool:
+    """True when a finished, intact library for `spec` and `archs` is already in the cache."""
+    try:
+        lib = library_path(spec, archs, cache_dir)
+    except (ImportError, OSError):
+        return False
+    return lib is not None and _is_valid(lib)
+
+
+def build(spec: KernelSpec, archs: Sequence[str], cache_dir: Path | None = None) -> Path:
+    """Compile `spec` for `archs` (e.g. ['9.0', '10.0']) unless cached; return the library path.
 
     Needs nvcc but no GPU. Raises ValueError for an unrecognized architecture and BuildError naming
     the cause for anything that stops the build.
@@ -249,11 +310,11 @@ def build(archs: Sequence[str], cache_dir: Path | None = None) -> Path:
             f"nvcc not found: no CUDA toolkit in {searched} or on PATH (install one or set CUDA_HOME)"
         )
     try:
-        key = cache_key(archs, nvcc)
+        key = cache_key(spec, archs, nvcc)
     except OSError as exc:
         raise BuildError(f"cannot read the kernel sources in {CSRC} ({exc})") from exc
     try:
-        lib = _writable_cache(cache_dir if cache_dir is not None else cache_root()) / key / LIBRARY
+        lib = _writable_cache(cache_dir if cache_dir is not None else cache_root()) / key / spec.library
     except OSError as exc:
         raise BuildError(f"no folder to build the kernels in ({exc})") from exc
     with _build_lock:
@@ -263,9 +324,9 @@ def build(archs: Sequence[str], cache_dir: Path | None = None) -> Path:
             lib.parent.mkdir(parents=True, exist_ok=True)
             with _file_lock(lib.parent / ".lock"):
                 if not _is_valid(lib):  # another process may have finished the build while we waited
-                    _compile(archs, nvcc, lib)
+                    _compile(spec, archs, nvcc, lib)
         except Exception as exc:
-            raise BuildError(f"building the flux2-fused kernels in {lib.parent} failed: {exc}") from exc
+            raise BuildError(f"building the {spec.name} kernel in {lib.parent} failed: {exc}") from exc
     return lib
 
 
@@ -283,22 +344,56 @@ def _load(lib: Path) -> Any:
     return tvm_ffi.load_module(str(lib))
 
 
-@functools.cache
-def load_module(arch: str) -> Any:
-    """Build (or find in the cache) and load the kernels for one architecture; memoized.
+def _build_and_load(spec: KernelSpec, arch: str) -> Any:
+    """Build (or find in the cache) and load one module.
 
     A library whose bytes match its digest can still fail to load (say, built by a toolchain whose
     runtime is gone, or damaged together with its digest), and rebuilding it is cheaper than running
     eager for the rest of the process: so it is deleted and rebuilt once before BuildError is raised.
     """
-    lib = build([arch])
+    lib = build(spec, [arch])
     try:
         return _load(lib)
     except Exception as first:
         with _build_lock, _file_lock(lib.parent / ".lock"):
             _remove_library(lib)
-        lib = build([arch])
+        lib = build(spec, [arch])
         try:
             return _load(lib)
         except Exception as exc:
             raise BuildError(f"loading {lib} failed, also after a rebuild: {exc} (first: {first})") from exc
+
+
+# The one cache of loaded modules, failures included: a module that could not be built is not
+# rebuilt on every call, the same BuildError is raised again.
+_loaded: dict[tuple[KernelSpec, str], Any] = {}
+_load_lock = threading.Lock()
+
+
+def load_module(spec: KernelSpec, arch: str) -> Any:
+    """The loaded module of `spec` for one architecture, built on first use; raises BuildError."""
+    key = (spec, arch)
+    entry = _loaded.get(key)
+    if entry is None:
+        with _load_lock:
+            entry = _loaded.get(key)
+            if entry is None:
+                try:
+                    entry = _build_and_load(spec, arch)
+                except Exception as exc:
+                    entry = exc if isinstance(exc, BuildError) else BuildError(f"{type(exc).__name__}: {exc}")
+                _loaded[key] = entry
+    if isinstance(entry, BuildError):
+        raise entry
+    return entry
+
+
+_device_arch: dict[Any, str] = {}
+
+
+def module_for(spec: KernelSpec, device: Any) -> Any:
+    """`load_module(spec, device's architecture)`: the per-launch lookup, two dict hits when loaded."""
+    arch = _device_arch.get(device)
+    if arch is None:
+        arch = _device_arch[device] = device_arch(device)
+    return load_module(spec, arch)

@@ -1,9 +1,13 @@
 // tvm-ffi entry point of the fused kernel: thin shape/dtype plumbing over gated_resnorm.cuh.
-// The Python layer (flux2_fused/ops/gated_resnorm.py) validates every input and decides when the
-// kernel may run; the checks here only stop a misuse from touching the wrong memory.
+// The Python layer (flux2_fused/ops/gated_resnorm/) validates every input and decides when the
+// kernel may run; the checks here only stop a misuse from touching the wrong memory. What a call
+// leaves out (the update and gate of a plain segment, the second segment, residual_out) arrives as
+// None: the arguments say what the kernel does, there are no flag bits to keep in step with them.
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/extra/cuda/device_guard.h>
 #include <tvm/ffi/function.h>
+#include <tvm/ffi/optional.h>
 
 #include <cuda_runtime.h>
 
@@ -12,11 +16,8 @@
 namespace flux2_fused {
 namespace {
 
+using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
-
-constexpr int64_t kFlagGated = 1;         // y = residual + gate * update (else y = residual)
-constexpr int64_t kFlagResidualOut = 2;   // write y to residual_out
-constexpr int64_t kFlagTwoSegments = 4;   // rows >= split come from (r1, u1, g1)
 
 template <typename T>
 const T* ptr(const TensorView& t) {
@@ -42,21 +43,24 @@ int64_t modulation_batch_stride(const TensorView& t, int64_t dim, const char* na
   return (t.ndim() == 1 || t.size(0) == 1) ? 0 : t.stride(0);
 }
 
+// The segment's rows; update and gate are both given (a gated segment) or both None.
 template <typename T>
-Segment<T> make_segment(const TensorView& r, const TensorView& u, const TensorView& g, int64_t dim,
-                        bool gated) {
+Segment<T> make_segment(const TensorView& r, const Optional<TensorView>& u, const Optional<TensorView>& g,
+                        int64_t dim, bool gated) {
+  TVM_FFI_ICHECK(u.has_value() == gated && g.has_value() == gated)
+      << "both segments need update and gate, or neither";
   Segment<T> s{};
   const RowLayout rl = stream_layout(r, "residual");
   s.residual = ptr<T>(r);
   s.residual_batch_stride = rl.batch_stride;
   s.residual_row_stride = rl.row_stride;
   if (gated) {
-    const RowLayout ul = stream_layout(u, "update");
-    s.update = ptr<T>(u);
+    const RowLayout ul = stream_layout(*u, "update");
+    s.update = ptr<T>(*u);
     s.update_batch_stride = ul.batch_stride;
     s.update_row_stride = ul.row_stride;
-    s.gate = ptr<T>(g);
-    s.gate_batch_stride = modulation_batch_stride(g, dim, "gate");
+    s.gate = ptr<T>(*g);
+    s.gate_batch_stride = modulation_batch_stride(*g, dim, "gate");
   }
   return s;
 }
@@ -98,10 +102,10 @@ void launch(const Params<T>& p, bool gated, cudaStream_t stream) {
 }
 
 template <typename T>
-void run(TensorView out, TensorView residual_out, TensorView scale, TensorView shift, TensorView r0,
-         TensorView u0, TensorView g0, TensorView r1, TensorView u1, TensorView g1, int64_t split,
-         int64_t flags, double eps) {
-  const bool gated = flags & kFlagGated;
+void run(TensorView out, Optional<TensorView> residual_out, TensorView scale, TensorView shift,
+         TensorView r0, Optional<TensorView> u0, Optional<TensorView> g0, Optional<TensorView> r1,
+         Optional<TensorView> u1, Optional<TensorView> g1, double eps) {
+  const bool gated = u0.has_value();
   TVM_FFI_ICHECK(out.ndim() == 2 || out.ndim() == 3) << "out must be [B, T, D] or [T, D]";
   const int64_t dim = out.size(-1);
   const int64_t tokens = out.size(-2);
@@ -110,13 +114,14 @@ void run(TensorView out, TensorView residual_out, TensorView scale, TensorView s
 
   Params<T> p{};
   p.seg[0] = make_segment<T>(r0, u0, g0, dim, gated);
-  p.seg[1] = (flags & kFlagTwoSegments) ? make_segment<T>(r1, u1, g1, dim, gated) : p.seg[0];
-  p.split = (flags & kFlagTwoSegments) ? split : tokens;
+  p.seg[1] = r1.has_value() ? make_segment<T>(*r1, u1, g1, dim, gated) : p.seg[0];
+  p.split = r1.has_value() ? r0.size(-2) : tokens;
   p.rows_per_batch = tokens;
   p.out = static_cast<T*>(const_cast<void*>(static_cast<const void*>(ptr<T>(out))));
-  p.residual_out = (flags & kFlagResidualOut)
-                       ? static_cast<T*>(const_cast<void*>(static_cast<const void*>(ptr<T>(residual_out))))
-                       : nullptr;
+  p.residual_out =
+      residual_out.has_value()
+          ? static_cast<T*>(const_cast<void*>(static_cast<const void*>(ptr<T>(*residual_out))))
+          : nullptr;
   p.scale = ptr<T>(scale);
   p.shift = ptr<T>(shift);
   p.scale_batch_stride = modulation_batch_stride(scale, dim, "scale");
@@ -127,21 +132,30 @@ void run(TensorView out, TensorView residual_out, TensorView scale, TensorView s
   p.rows = batch * tokens;
   if (p.rows == 0) return;
   TVM_FFI_ICHECK(p.rows < (int64_t{1} << 31)) << "too many rows for one launch";
+  // Launch on the tensors' device, whichever device is current, on that device's current stream.
   const DLDevice dev = out.device();
+  for (const Optional<TensorView>& t : {Optional<TensorView>(scale), Optional<TensorView>(shift),
+                                          Optional<TensorView>(r0), residual_out, u0, g0, r1, u1, g1}) {
+    TVM_FFI_ICHECK(!t.has_value() || ((*t).device().device_type == dev.device_type &&
+                                      (*t).device().device_id == dev.device_id))
+        << "every tensor must be on the output's device";
+  }
+  tvm::ffi::CUDADeviceGuard device_guard(dev.device_id);
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
   launch<T>(p, gated, stream);
   const cudaError_t err = cudaGetLastError();
   TVM_FFI_ICHECK(err == cudaSuccess) << "gated_resnorm launch failed: " << cudaGetErrorString(err);
 }
 
-void gated_resnorm(TensorView out, TensorView residual_out, TensorView scale, TensorView shift,
-                   TensorView r0, TensorView u0, TensorView g0, TensorView r1, TensorView u1,
-                   TensorView g1, int64_t split, int64_t flags, double eps) {
+void gated_resnorm(TensorView out, Optional<TensorView> residual_out, TensorView scale, TensorView shift,
+                   TensorView r0, Optional<TensorView> u0, Optional<TensorView> g0,
+                   Optional<TensorView> r1, Optional<TensorView> u1, Optional<TensorView> g1,
+                   double eps) {
   const DLDataType dt = out.dtype();
   if (dt.code == kDLBfloat && dt.bits == 16) {
-    run<__nv_bfloat16>(out, residual_out, scale, shift, r0, u0, g0, r1, u1, g1, split, flags, eps);
+    run<__nv_bfloat16>(out, residual_out, scale, shift, r0, u0, g0, r1, u1, g1, eps);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
-    run<__half>(out, residual_out, scale, shift, r0, u0, g0, r1, u1, g1, split, flags, eps);
+    run<__half>(out, residual_out, scale, shift, r0, u0, g0, r1, u1, g1, eps);
   } else {
     TVM_FFI_THROW(TypeError) << "gated_resnorm supports bfloat16 and float16 only";
   }

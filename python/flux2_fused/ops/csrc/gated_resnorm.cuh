@@ -1,6 +1,6 @@
 // Fused gated residual + LayerNorm (no affine) + adaLN modulation, bit-exact to PyTorch eager.
 //
-// Eager computes, per row of D elements (see shared/docs/NUMERICS.md for the derivation):
+// Eager computes, per row of D elements (docs/numerics.md derives it):
 //   y   = T(T(gate * update) + residual)              two aten elementwise ops, fp32 math, T roundings
 //   n   = layer_norm(y)                               aten's vectorized_layer_norm_kernel<T, float>
 //   out = T(T(n * T(scale + 1)) + shift)              three aten elementwise ops

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flux2_fused.ops import bits_equal, gated_resnorm_reference, modnorm_reference
+from flux2_fused.ops import bits_equal
+from flux2_fused.ops.gated_resnorm import gated_resnorm_reference, modnorm_reference
 
 from .conftest import flux2_inputs
 

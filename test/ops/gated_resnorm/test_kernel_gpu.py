@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux2_fused.ops import (
-    bits_equal,
-    can_use_flux2_gated_resnorm,
-    flux2_gated_resnorm_raw,
-    flux2_modnorm_raw,
+from flux2_fused.ops import bits_equal, random_bits, self_check_records
+from flux2_fused.ops.gated_resnorm import (
+    Segment,
+    gated_resnorm,
     gated_resnorm_decline_reason,
     gated_resnorm_reference,
+    guards,
+    modnorm,
     modnorm_reference,
 )
-from flux2_fused.ops.gated_resnorm import Segment, launch, random_bits
+from flux2_fused.ops.gated_resnorm.launch import launch
 
 pytestmark = pytest.mark.gpu
 
@@ -59,14 +60,14 @@ def test_gated_resnorm_bit_exact(tokens, dim, batch, layout, dtype, gen):
     update = _rows(batch, tokens, dim, dtype, gen)
     gate, scale, shift = _modulation(batch, dim, dtype, layout, gen)
     before = residual.clone(), update.clone()
-    out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+    out, residual_out = gated_resnorm(residual, update, gate, scale, shift)
     ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
     assert bits_equal(residual_out, ref_residual)
     assert bits_equal(out, ref_out)
     assert torch.equal(before[0].view(torch.int16), residual.view(torch.int16))  # inputs untouched
     assert torch.equal(before[1].view(torch.int16), update.view(torch.int16))
     x = _rows(batch, tokens, dim, dtype, gen)
-    assert bits_equal(flux2_modnorm_raw(x, scale, shift), modnorm_reference(x, scale, shift))
+    assert bits_equal(modnorm(x, scale, shift), modnorm_reference(x, scale, shift))
 
 
 def _edge_value_cases(dim: int, dtype: torch.dtype, gen: torch.Generator):
@@ -102,19 +103,19 @@ def _edge_value_cases(dim: int, dtype: torch.dtype, gen: torch.Generator):
 @pytest.mark.parametrize("dim", [3072, 6144, 5000])
 def test_edge_values_bit_exact(dim, dtype, gen):
     for name, (residual, update, gate, scale, shift) in _edge_value_cases(dim, dtype, gen):
-        out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+        out, residual_out = gated_resnorm(residual, update, gate, scale, shift)
         ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
         assert bits_equal(residual_out, ref_residual), name
         assert bits_equal(out, ref_out), name
         x = residual_out
-        assert bits_equal(flux2_modnorm_raw(x, scale, shift), modnorm_reference(x, scale, shift)), name
+        assert bits_equal(modnorm(x, scale, shift), modnorm_reference(x, scale, shift)), name
 
 
 @pytest.mark.parametrize("dim", [4, 64, 260, 512, 1028, 2052, 16384])
 def test_small_and_large_hidden_sizes(dim, gen):
     residual, update = _rows(2, 33, dim, torch.bfloat16, gen), _rows(2, 33, dim, torch.bfloat16, gen)
     gate, scale, shift = _modulation(2, dim, torch.bfloat16, "strided", gen)
-    out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+    out, residual_out = gated_resnorm(residual, update, gate, scale, shift)
     ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
     assert bits_equal(residual_out, ref_residual) and bits_equal(out, ref_out)
 
@@ -125,7 +126,7 @@ def test_two_dimensional_stream(gen):
         _rows(1, 300, 3072, torch.bfloat16, gen)[0],
     )
     gate, scale, shift = _modulation(1, 3072, torch.bfloat16, "broadcast", gen)
-    out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+    out, residual_out = gated_resnorm(residual, update, gate, scale, shift)
     ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
     assert out.shape == ref_out.shape and residual_out.shape == ref_residual.shape  # eager broadcasting
     assert bits_equal(residual_out, ref_residual) and bits_equal(out, ref_out)
@@ -168,7 +169,7 @@ def test_offsets_past_int32(gen):
     residual = torch.randn(1, tokens, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
     update = torch.randn(1, tokens, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
     gate, scale, shift = _modulation(1, dim, torch.bfloat16, "strided", gen)
-    out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+    out, residual_out = gated_resnorm(residual, update, gate, scale, shift)
     tail = slice(tokens - 64, tokens)
     ref_out, ref_residual = gated_resnorm_reference(residual[:, tail], update[:, tail], gate, scale, shift)
     assert bits_equal(residual_out[:, tail], ref_residual) and bits_equal(out[:, tail], ref_out)
@@ -178,20 +179,20 @@ def test_follows_current_stream_and_graph_capture(gen):
     dim, dtype = 6144, torch.bfloat16
     residual, update = _rows(1, 512, dim, dtype, gen), _rows(1, 512, dim, dtype, gen)
     gate, scale, shift = _modulation(1, dim, dtype, "strided", gen)
-    assert can_use_flux2_gated_resnorm(residual, update, gate, scale, shift)  # self-check runs here
+    assert guards.gated(residual, update, gate, scale, shift)  # self-check runs here
     ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        out, residual_out = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+        out, residual_out = gated_resnorm(residual, update, gate, scale, shift)
     torch.cuda.current_stream().wait_stream(side)
     assert bits_equal(out, ref_out) and bits_equal(residual_out, ref_residual)
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert can_use_flux2_gated_resnorm(residual, update, gate, scale, shift)
-        g_out, g_residual = flux2_gated_resnorm_raw(residual, update, gate, scale, shift)
+        assert guards.gated(residual, update, gate, scale, shift)
+        g_out, g_residual = gated_resnorm(residual, update, gate, scale, shift)
     g_out.fill_(0)
     graph.replay()
     torch.cuda.synchronize()
@@ -206,7 +207,7 @@ def test_unchecked_configuration_declines_during_capture(gen):
     with torch.cuda.graph(graph):
         reason = gated_resnorm_decline_reason(residual, update, gate, scale, shift)
     assert reason is not None and "capture" in reason
-    assert can_use_flux2_gated_resnorm(residual, update, gate, scale, shift)  # checked outside capture
+    assert guards.gated(residual, update, gate, scale, shift)  # checked outside capture
 
 
 def test_gpu_guard_rejections(gen):
@@ -223,4 +224,34 @@ def test_gpu_guard_rejections(gen):
     for expected, args in cases.items():
         reason = gated_resnorm_decline_reason(*args)
         assert reason is not None and expected in reason, (expected, reason)
-        assert not can_use_flux2_gated_resnorm(*args)
+        assert not guards.gated(*args)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tensors_on_a_device_other_than_the_current_one():
+    """The entry sets the tensors' device around the launch (and uses that device's current stream):
+    with cuda:0 current, a site on cuda:1 self-checks, launches there and equals eager there; the
+    current device is unchanged afterwards."""
+    other = torch.device("cuda", 1)
+    with torch.cuda.device(0):
+        gen1 = torch.Generator(device=other).manual_seed(7)
+        dim, dtype = 3072, torch.bfloat16
+        residual = torch.randn(2, 77, dim, generator=gen1, device=other).to(dtype)
+        update = torch.randn(2, 77, dim, generator=gen1, device=other).to(dtype)
+        shift, scale, gate = (
+            torch.randn(2, 1, 6 * dim, generator=gen1, device=other).to(dtype).chunk(6, -1)[:3]
+        )
+        assert guards.gated(residual, update, gate, scale, shift)  # self-check for cuda:1 runs here
+        records = {key[:3]: record for key, record in self_check_records().items()}
+        assert records[("gated_resnorm", "cuda:1", f"D={dim} bfloat16")].passed
+        side = torch.cuda.Stream(device=other)
+        side.wait_stream(torch.cuda.current_stream(other))
+        with torch.cuda.stream(side):
+            out, residual_out = gated_resnorm(residual, update, gate, scale, shift)
+            plain = modnorm(residual, scale, shift)
+        torch.cuda.current_stream(other).wait_stream(side)
+        assert torch.cuda.current_device() == 0
+        assert out.device == other and residual_out.device == other
+        ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
+        assert bits_equal(out, ref_out) and bits_equal(residual_out, ref_residual)
+        assert bits_equal(plain, modnorm_reference(residual, scale, shift))

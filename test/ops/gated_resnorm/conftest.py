@@ -17,17 +17,16 @@ from typing import Any
 import pytest
 import torch
 
-from flux2_fused.ops import (
-    can_defer_flux2_gated_residual,
-    can_use_flux2_gated_resnorm,
-    can_use_flux2_modnorm,
+from flux2_fused.ops import runtime
+from flux2_fused.ops.gated_resnorm import (
     defer_decline_reason,
-    flux2_gated_resnorm_raw,
-    flux2_modnorm_raw,
     gated_resnorm,
     gated_resnorm_decline_reason,
+    guards,
+    modnorm,
     modnorm_decline_reason,
 )
+from flux2_fused.ops.verdicts import TypeReason
 
 
 class _CudaStandIn(torch.Tensor):
@@ -86,32 +85,35 @@ def misaligned(*shape: int, dtype: torch.dtype = torch.bfloat16, device: str = "
 @pytest.fixture
 def accept_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
     """Accept whatever passes the metadata checks: stands in for the kill switch and the self-check."""
-    monkeypatch.setattr(gated_resnorm, "_runtime_reason", lambda device, dim, dtype: None)
+    monkeypatch.setattr(runtime, "runtime_reason", lambda op, device, config: None)
+
+
+@pytest.fixture
+def fresh_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No self-check verdicts or warnings yet, restored afterwards."""
+    monkeypatch.setattr(runtime, "_records", {})
+    monkeypatch.setattr(runtime, "_warned", set())
 
 
 @dataclass(frozen=True)
 class Guard:
-    """A public guard with its reason function, argument names, and raw op (the defer guard has none)."""
+    """A public guard with its reason function, argument names, and validated op (defer has none)."""
 
     names: tuple[str, ...]
     reason: Callable[..., str | None]
     check: Callable[..., bool]
-    raw: Callable[..., Any] | None
+    op: Callable[..., Any] | None
 
 
 GUARDS = {
     "gated": Guard(
         ("residual", "update", "gate", "scale", "shift"),
         gated_resnorm_decline_reason,
-        can_use_flux2_gated_resnorm,
-        flux2_gated_resnorm_raw,
+        guards.gated,
+        gated_resnorm,
     ),
-    "defer": Guard(
-        ("residual", "update", "gate"), defer_decline_reason, can_defer_flux2_gated_residual, None
-    ),
-    "modnorm": Guard(
-        ("x", "scale", "shift"), modnorm_decline_reason, can_use_flux2_modnorm, flux2_modnorm_raw
-    ),
+    "defer": Guard(("residual", "update", "gate"), defer_decline_reason, guards.defer, None),
+    "modnorm": Guard(("x", "scale", "shift"), modnorm_decline_reason, guards.plain, modnorm),
 }
 
 
@@ -119,7 +121,7 @@ def check_guard(kind: str, args: tuple[Any, ...]) -> str | None:
     """Call one guard every way and check the answers agree; return its reason.
 
     The reason function returns None or a non-empty str without raising, the public guard returns
-    the bool `reason is None`, and for a declined call the raw op raises TypeError (for a
+    the bool `reason is None`, and for a declined call the validated op raises TypeError (for a
     TypeReason) or ValueError carrying exactly that reason.
     """
     guard = GUARDS[kind]
@@ -129,8 +131,8 @@ def check_guard(kind: str, args: tuple[Any, ...]) -> str | None:
     assert accepted is (reason is None), (kind, reason)
     if reason is not None:
         assert isinstance(reason, str) and reason
-        if guard.raw is not None:
-            error = TypeError if isinstance(reason, gated_resnorm.TypeReason) else ValueError
+        if guard.op is not None:
+            error = TypeError if isinstance(reason, TypeReason) else ValueError
             with pytest.raises(error, match=f"^{re.escape('flux2-fused: ' + reason)}$"):
-                guard.raw(*args)
+                guard.op(*args)
     return reason

@@ -7,7 +7,7 @@ import timeit
 import pytest
 import torch
 
-from flux2_fused.ops import (
+from flux2_fused.ops.gated_resnorm import (
     gated_resnorm_reference,
     library,  # noqa: F401  (registers torch.ops.flux2_fused)
     modnorm_reference,

@@ -6,7 +6,7 @@ after the device check without allocating anything. The self-check needs a GPU, 
 stage accepts (conftest.accept_runtime): whatever a guard declines here, the metadata checks did.
 
 Properties: the public guards never raise and return a bool that agrees with their reason function
-(which never raises either); the raw ops raise TypeError or ValueError carrying that reason; no
+(which never raises either); the validated ops raise TypeError or ValueError carrying that reason; no
 guard accepts inputs the kernel cannot reproduce (`reproduces_eager`, stated from eager's
 broadcasting and the kernel's memory reads, not from the guard's code); and FLUX.2's own layouts
 are always accepted.
@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from flux2_fused.ops import MAX_DIM
+from flux2_fused.ops.gated_resnorm import MAX_DIM
 
 from .conftest import GUARDS, as_cuda, check_guard, misaligned
 

@@ -1,4 +1,4 @@
-"""CPU tests of the guards: every decline reason with its message, the kill switch, the raw ops' errors.
+"""CPU tests of the guards: every decline reason with its message, the kill switch, the validated ops' errors.
 
 Shape and stride checks come before the device check, so they run on plain CPU tensors through the
 public reason functions. The checks after the device check (dtype, devices, autograd, alignment,
@@ -9,6 +9,7 @@ fails if it holds a decline reason that no case here produces, so a new reason n
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import re
 import warnings
@@ -19,16 +20,16 @@ from typing import Any
 import pytest
 import torch
 
-from flux2_fused.ops import (
-    DISABLE_ENV,
-    can_use_flux2_gated_resnorm,
+from flux2_fused.ops import DISABLE_ENV, gated_resnorm, jit, kill_switch, runtime, verdicts
+from flux2_fused.ops.gated_resnorm import (
+    MAX_DIM,
+    Segment,
+    decline_reason,
     defer_decline_reason,
-    enabled,
-    gated_resnorm,
     gated_resnorm_decline_reason,
-    jit,
+    guards,
 )
-from flux2_fused.ops.gated_resnorm import TypeReason
+from flux2_fused.ops.verdicts import TypeReason
 
 from .conftest import GUARDS, as_cuda, check_guard, flux2_inputs, misaligned
 
@@ -78,7 +79,7 @@ def token_rows(kind: str, *, dim: int = D, tokens: int = T, dtype: torch.dtype =
 
 @dataclass(frozen=True)
 class Case:
-    """One declined call: the guard, how to build its arguments, the exact reason and the raw op's error."""
+    """One declined call: the guard, how to build its arguments, the exact reason and the op's error."""
 
     kind: str
     args: Callable[[], tuple[Any, ...]]
@@ -277,7 +278,7 @@ CASES: dict[str, Case] = {
     ),
     "D too large": Case(
         "gated",
-        lambda: inputs("gated", cuda=True, dim=gated_resnorm.MAX_DIM + 4),
+        lambda: inputs("gated", cuda=True, dim=MAX_DIM + 4),
         "hidden size 16388 exceeds the kernel's maximum 16384",
         ValueError,
     ),
@@ -286,7 +287,7 @@ CASES: dict[str, Case] = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_decline_reason(name: str) -> None:
-    """The exact reason; the guard says False; the raw op raises TypeError or ValueError with it."""
+    """The exact reason; the guard says False; the validated op raises TypeError or ValueError with it."""
     case = CASES[name]
     reason = check_guard(case.kind, case.args())
     assert reason == case.reason
@@ -297,8 +298,13 @@ def _disable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DISABLE_ENV, "1")
 
 
+def _fresh_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "_records", {})
+    monkeypatch.setattr(runtime, "_warned", set())
+
+
 def _capturing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gated_resnorm, "_CHECKER", gated_resnorm._Checker())
+    _fresh_runtime(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
 
 
@@ -306,11 +312,11 @@ SELF_CHECK_MISMATCH = "gated, per-batch modulation: out differs from eager"
 
 
 def _self_check_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gated_resnorm, "_CHECKER", gated_resnorm._Checker())
+    _fresh_runtime(monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(jit, "device_arch", lambda device: "9.0")
-    monkeypatch.setattr(jit, "load_module", lambda arch: object())
-    monkeypatch.setattr(gated_resnorm, "self_check", lambda device, dim, dtype: (False, SELF_CHECK_MISMATCH))
+    monkeypatch.setattr(jit, "module_for", lambda spec, device: object())
+    failing = dataclasses.replace(guards.OP, self_check=lambda device, config: (False, SELF_CHECK_MISMATCH))
+    monkeypatch.setattr(guards, "OP", failing)
 
 
 # name -> (setup, reason, RuntimeWarnings over repeated calls)
@@ -336,7 +342,7 @@ def test_runtime_decline_reason(name: str, monkeypatch: pytest.MonkeyPatch) -> N
         warnings.simplefilter("always")
         for _ in range(3):
             assert gated_resnorm_decline_reason(*args) == expected
-            assert can_use_flux2_gated_resnorm(*args) is False
+            assert guards.gated(*args) is False
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == warning_count, messages
     assert all(
@@ -346,8 +352,9 @@ def test_runtime_decline_reason(name: str, monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_kill_switch_reason_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DISABLE_ENV, "yes")
+    config = gated_resnorm.Config(3072, BF16)
     assert (
-        gated_resnorm._runtime_reason(torch.device("cuda", 0), 3072, BF16)
+        runtime.runtime_reason(guards.OP, torch.device("cuda", 0), config)
         == "disabled by FLUX2_FUSED_DISABLE"
     )
 
@@ -355,13 +362,13 @@ def test_kill_switch_reason_names_the_variable(monkeypatch: pytest.MonkeyPatch) 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "yes", " on "])
 def test_kill_switch_values_that_disable(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DISABLE_ENV, value)
-    assert not enabled()
+    assert kill_switch()
 
 
 @pytest.mark.parametrize("value", ["", "0", "false", "no", "off", "disable"])
 def test_kill_switch_values_that_keep_it_enabled(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DISABLE_ENV, value)
-    assert enabled()
+    assert not kill_switch()
 
 
 def _accepted_layouts(kind: str, dtype: torch.dtype) -> dict[str, tuple[Any, ...]]:
@@ -382,7 +389,7 @@ def _accepted_layouts(kind: str, dtype: torch.dtype) -> dict[str, tuple[Any, ...
         "[T, D] stream": token_rows(kind, dtype=dtype),
         "no tokens": inputs(kind, cuda=True, dtype=dtype, **dict.fromkeys(streams, empty)),
         "D=4": inputs(kind, cuda=True, dtype=dtype, dim=4),
-        "D=max": inputs(kind, cuda=True, dtype=dtype, dim=gated_resnorm.MAX_DIM),
+        "D=max": inputs(kind, cuda=True, dtype=dtype, dim=MAX_DIM),
     }
 
 
@@ -415,8 +422,8 @@ def test_requires_grad_is_fine_without_grad_mode() -> None:
     """Under no_grad (or inference mode) eager builds no graph either, so the kernel may run."""
     args = inputs("gated", cuda=True, update=as_cuda(zeros(B, T, D).requires_grad_()))
     with torch.no_grad():
-        assert can_use_flux2_gated_resnorm(*args) is True
-    assert can_use_flux2_gated_resnorm(*args) is False
+        assert guards.gated(*args) is True
+    assert guards.gated(*args) is False
 
 
 @pytest.mark.parametrize("kind", GUARDS)
@@ -424,18 +431,16 @@ def test_requires_grad_is_fine_without_grad_mode() -> None:
 def test_remembered_verdict_still_checks_each_call(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The guards remember metadata verdicts; what equal metadata does not decide is checked per call:
     data alignment, gradients, the kill switch (and the self-check, via the runtime stage)."""
-    monkeypatch.setattr(gated_resnorm, "_METADATA_VERDICTS", {})
+    monkeypatch.setattr(verdicts, "_verdicts", {})
     stream = GUARDS[kind].names[0]
     aligned = inputs(kind, cuda=True)
     shifted = inputs(kind, cuda=True, **{stream: as_cuda(misaligned(B, T, D))})  # same shape and strides
     grad = inputs(kind, cuda=True, **{stream: as_cuda(zeros(B, T, D).requires_grad_())})
     for _ in range(2):  # the second round answers from the remembered verdict
         assert check_guard(kind, aligned) is None
-        assert (
-            check_guard(kind, shifted) == f"residual data pointer is not {gated_resnorm._ALIGN}-byte aligned"
-        )
+        assert check_guard(kind, shifted) == f"residual data pointer is not {verdicts.ALIGN}-byte aligned"
         assert check_guard(kind, grad) == "residual requires grad and the fused kernel has no backward"
-    assert len(gated_resnorm._METADATA_VERDICTS) == 1
+    assert verdicts.remembered_verdicts() == 1
     monkeypatch.undo()  # the real runtime stage: the kill switch is read on every call
     monkeypatch.setenv(DISABLE_ENV, "1")
     assert GUARDS[kind].check(*aligned) is False
@@ -443,11 +448,64 @@ def test_remembered_verdict_still_checks_each_call(kind: str, monkeypatch: pytes
 
 @pytest.mark.usefixtures("accept_runtime")
 def test_remembered_verdicts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gated_resnorm, "_METADATA_VERDICTS", {})
-    monkeypatch.setattr(gated_resnorm, "_MAX_METADATA_VERDICTS", 3)
+    monkeypatch.setattr(verdicts, "_verdicts", {})
+    monkeypatch.setattr(verdicts, "MAX_VERDICTS", 3)
     for tokens in range(1, 11):
         assert check_guard("modnorm", inputs("modnorm", cuda=True, x=cuda_zeros(B, tokens, D))) is None
-        assert len(gated_resnorm._METADATA_VERDICTS) <= 3
+        assert verdicts.remembered_verdicts() <= 3
+
+
+def _rows(kind: str) -> tuple[list[Segment], bool]:
+    """Segments one launch cannot take, whatever their tensors, and the write_residual they go with."""
+    residual, update, gate, _, _ = inputs("gated", cuda=True)
+    gated, plain = Segment(residual, update, gate), Segment(residual)
+    return {
+        "three segments": ([gated, gated, gated], True),
+        "mixed": ([gated, plain], True),
+        "plain concat written": ([plain, plain], True),
+        "2-D concat": ([Segment(residual[0]), Segment(residual[0])], False),
+        "batch differs": ([plain, Segment(residual[:1])], False),
+    }[kind]
+
+
+ROWS_CASES = {
+    "three segments": "a launch takes one or two segments, got 3",
+    "mixed": "the two segments mix gated and plain rows",
+    "plain concat written": "the kernel writes no concat of plain rows",
+    "2-D concat": "segments to concatenate must be [B, T, D]",
+    "batch differs": "the two segments differ in batch",
+}
+
+
+@pytest.mark.parametrize("kind", ROWS_CASES)
+@pytest.mark.usefixtures("accept_runtime")
+def test_entry_point_declines_what_one_launch_cannot_do(kind: str) -> None:
+    """The entry point's own reasons; `fused` then returns None, so the caller runs the eager chain."""
+    rows, write_residual = _rows(kind)
+    _, _, _, scale, shift = inputs("gated", cuda=True)
+    assert decline_reason(rows, scale, shift, write_residual=write_residual) == ROWS_CASES[kind]
+    assert gated_resnorm.fused(rows, scale, shift, 1e-6, write_residual=write_residual) is None
+
+
+@pytest.mark.usefixtures("accept_runtime")
+def test_entry_point_accepts_one_or_two_guarded_segments() -> None:
+    residual, update, gate, scale, shift = inputs("gated", cuda=True)
+    gated = Segment(residual, update, gate)
+    assert decline_reason([gated], scale, shift) is None
+    assert decline_reason([gated, gated], scale, shift) is None
+    assert decline_reason([Segment(residual)], scale, shift) is None
+    assert decline_reason([gated], scale, shift[..., :4]) == "shift has 4 channels, residual has 8"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_on_the_cpu_is_the_eager_chain(dtype: torch.dtype) -> None:
+    """Where the guards decline (here: CPU tensors) `apply` is `reference.segments`, bit for bit."""
+    residual, update, gate, scale, shift = flux2_inputs(dtype=dtype)
+    for rows in ([Segment(residual, update, gate)], [Segment(residual)], [Segment(residual)] * 2):
+        assert gated_resnorm.fused(rows, scale, shift, 1e-6, write_residual=False) is None
+        out, stream = gated_resnorm.apply(rows, scale, shift, 1e-6, write_residual=True)
+        ref_out, ref_stream = gated_resnorm.reference.segments(rows, scale, shift)
+        assert torch.equal(out, ref_out) and torch.equal(stream, ref_stream)
 
 
 GARBAGE = {
@@ -486,8 +544,8 @@ def test_guards_never_raise_even_when_checking_does(kind: str, monkeypatch: pyte
     def broken(*args: Any, **kwargs: Any) -> str | None:
         raise RuntimeError("bug in a check")
 
-    monkeypatch.setattr(gated_resnorm, "_metadata_reason", broken)
-    monkeypatch.setattr(gated_resnorm, "_METADATA_VERDICTS", {})  # no verdict remembered from before
+    monkeypatch.setattr(guards, "_metadata_reason", broken)
+    monkeypatch.setattr(verdicts, "_verdicts", {})  # no verdict remembered from before
     guard = GUARDS[kind]
     with pytest.raises(RuntimeError, match="bug in a check"):
         guard.reason(*inputs(kind, cuda=True))
@@ -495,7 +553,8 @@ def test_guards_never_raise_even_when_checking_does(kind: str, monkeypatch: pyte
 
 
 def _reason_templates() -> list[str]:
-    """Every message a `*reason` function or method of the module can return, as a regex."""
+    """Every message a `*reason` function or method of the modules that decide a gated_resnorm call
+    (its entry point, its guards, the shared guard machinery and runtime) can return, as a regex."""
 
     def strings(node: ast.AST | None) -> list[ast.AST]:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
@@ -516,7 +575,8 @@ def _reason_templates() -> list[str]:
         assert isinstance(node, ast.JoinedStr)
         return "".join(re.escape(v.value) if isinstance(v, ast.Constant) else "(.*)" for v in node.values)
 
-    tree = ast.parse(inspect.getsource(gated_resnorm))
+    modules = (gated_resnorm, guards, verdicts, runtime)
+    tree = ast.parse("\n".join(inspect.getsource(module) for module in modules))
     functions = [
         node
         for node in ast.walk(tree)
@@ -528,6 +588,7 @@ def _reason_templates() -> list[str]:
 
 def test_every_decline_reason_in_the_module_has_a_case() -> None:
     produced = [case.reason for case in CASES.values()] + [reason for _, reason, _ in RUNTIME_CASES.values()]
+    produced += list(ROWS_CASES.values())
     templates = _reason_templates()
     assert len(templates) >= 15  # the walk found the reasons at all
     untested = [t for t in templates if not any(re.fullmatch(t, message) for message in produced)]

@@ -1,0 +1,27 @@
+"""Bit-level comparison and bit-pattern inputs, for self-checks, tests and benchmarks of every op."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality that allows NaN payloads to differ but not NaN positions (`torch.equal` treats
+    every NaN as unequal, and eager's NaN payloads are not part of the contract)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a_nan, b_nan = a.isnan(), b.isnan()
+    if not torch.equal(a_nan, b_nan):
+        return False
+    bits = _INT_OF_SIZE[a.element_size()]
+    return torch.equal(a.view(bits)[~a_nan], b.view(bits)[~b_nan])
+
+
+def random_bits(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A 16-bit float tensor with every bit pattern equally likely: subnormals, NaN and Inf included."""
+    raw = torch.randint(-(2**15), 2**15, tuple(shape), generator=gen, device=gen.device, dtype=torch.int32)
+    return raw.to(torch.int16).view(dtype)

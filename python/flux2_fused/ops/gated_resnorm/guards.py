@@ -1,0 +1,141 @@
+"""Why the gated_resnorm kernel cannot take a call: the checks, in words, and the boolean guards.
+
+The kernel reproduces eager for [B, T, D] / [T, D] streams whose rows are dense (any batch stride),
+modulation rows broadcast over tokens ([D], [1, D], [B, 1, D], unit inner stride), one 16-bit float
+dtype on one CUDA device, D a positive multiple of 4 up to MAX_DIM, 8-byte-aligned data, no
+autograd. Everything else declines: the caller then runs the eager chain (`reference.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .. import runtime
+from ..verdicts import Guard, Reason, TypeReason
+from .selfcheck import OP, Config
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+MAX_DIM = 16384  # the kernel's largest instantiation: 32 vectors of 4 per thread, 128 threads
+
+
+def _stream_reason(name: str, t: Any, like: torch.Tensor | None) -> Reason:
+    """Why a [B, T, D] / [T, D] stream tensor (residual or update) cannot go to the kernel."""
+    if not isinstance(t, torch.Tensor):
+        return TypeReason(f"{name} is not a tensor")
+    if t.dim() not in (2, 3):
+        return f"{name} must be [B, T, D] or [T, D], got {tuple(t.shape)}"
+    if like is not None and t.shape != like.shape:
+        return f"{name} shape {tuple(t.shape)} differs from residual {tuple(like.shape)}"
+    # Rows must be dense; a batch stride is free (the output norm reads image rows of the joint stream).
+    if t.stride(-1) != 1 or (t.shape[-2] > 1 and t.stride(-2) != t.shape[-1]):
+        return f"{name} is not contiguous along its rows (needs strides (..., D, 1))"
+    if t.dim() == 3 and t.shape[0] > 1 and t.stride(0) % 4 != 0:
+        return f"{name} batch stride {t.stride(0)} is not a multiple of 4 elements"
+    return None
+
+
+def _modulation_reason(name: str, t: Any, batch: int, dim: int) -> Reason:
+    """Modulation rows broadcast over tokens: [D], [1, D] or [1|B, 1, D] with unit inner stride."""
+    if not isinstance(t, torch.Tensor):
+        return TypeReason(f"{name} is not a tensor")
+    shape = tuple(t.shape)
+    if t.dim() == 1:
+        rows = 1
+    elif t.dim() == 2:
+        # Eager aligns [R, D] with the stream's last two axes, i.e. with tokens: only [1, D] broadcasts
+        # over them; per-batch rows must be [B, 1, D].
+        if shape[0] != 1:
+            return f"{name} must broadcast over tokens: a 2-D {name} is [1, D], got {shape} (use [B, 1, D])"
+        rows = 1
+    elif t.dim() == 3 and shape[1] == 1:
+        rows = shape[0]
+    else:
+        return f"{name} must broadcast over tokens ([D], [1, D] or [B, 1, D]), got {shape}"
+    if shape[-1] != dim:
+        return f"{name} has {shape[-1]} channels, residual has {dim}"
+    if rows not in (1, batch):
+        return f"{name} batch {shape[0]} does not match the stream batch {batch}"
+    if t.stride(-1) != 1:
+        return f"{name} has inner stride {t.stride(-1)} (needs 1)"
+    if t.dim() >= 2 and rows > 1 and t.stride(0) % 4 != 0:
+        return f"{name} batch stride {t.stride(0)} is not a multiple of 4 elements"
+    return None
+
+
+def _common_reason(tensors: Sequence[tuple[str, torch.Tensor]]) -> Reason:
+    """Device, dtype and hidden-size checks shared by every guard."""
+    first = tensors[0][1]
+    if first.device.type != "cuda":
+        return TypeReason(f"tensors are on {first.device}, the fused kernel needs CUDA")
+    if first.dtype not in SUPPORTED_DTYPES:
+        return TypeReason(f"dtype {first.dtype} is not supported (bfloat16, float16)")
+    for name, t in tensors:
+        if t.device != first.device:
+            return TypeReason(f"{name} is on {t.device}, {tensors[0][0]} on {first.device}")
+        if t.dtype != first.dtype:
+            return TypeReason(f"{name} is {t.dtype}, {tensors[0][0]} is {first.dtype} (eager would promote)")
+    dim = first.shape[-1]
+    if dim <= 0 or dim % 4 != 0:
+        return f"hidden size {dim} is not a positive multiple of 4 (aten would not vectorize)"
+    if dim > MAX_DIM:
+        return f"hidden size {dim} exceeds the kernel's maximum {MAX_DIM}"
+    return None
+
+
+def _metadata_reason(
+    residual: Any, update: Any, modulation: Sequence[tuple[str, Any]], *, gated: bool = True
+) -> Reason:
+    """Everything the tensors' shapes, strides, dtypes and devices decide; gated=False for the
+    no-residual variant, which has no update."""
+    reason = _stream_reason("residual", residual, None)
+    if reason is None and gated:
+        reason = _stream_reason("update", update, residual)
+    if reason is not None:
+        return reason
+    batch = residual.shape[0] if residual.dim() == 3 else 1
+    for name, t in modulation:
+        reason = _modulation_reason(name, t, batch, residual.shape[-1])
+        if reason is not None:
+            return reason
+    streams = [("residual", residual)] + ([("update", update)] if gated else [])
+    return _common_reason(streams + list(modulation))
+
+
+def _runtime_reason(residual: torch.Tensor, *_: Any) -> Reason:
+    """Kill switch, kernel build and the self-check for this (device, D, dtype)."""
+    return runtime.runtime_reason(OP, residual.device, Config(residual.shape[-1], residual.dtype))
+
+
+gated = Guard(
+    ("residual", "update", "gate", "scale", "shift"),
+    lambda r, u, g, sc, sh: _metadata_reason(r, u, [("gate", g), ("scale", sc), ("shift", sh)]),
+    _runtime_reason,
+)
+defer = Guard(
+    ("residual", "update", "gate"),
+    lambda r, u, g: _metadata_reason(r, u, [("gate", g)]),
+    _runtime_reason,
+)
+plain = Guard(
+    ("residual", "scale", "shift"),  # the plain variant's stream, named as its reasons name it
+    lambda x, sc, sh: _metadata_reason(x, None, [("scale", sc), ("shift", sh)], gated=False),
+    _runtime_reason,
+)
+
+
+def gated_resnorm_decline_reason(residual: Any, update: Any, gate: Any, scale: Any, shift: Any) -> Reason:
+    """Why the fused `gated_resnorm` declines these inputs, or None when it accepts them."""
+    return gated.reason(residual, update, gate, scale, shift)
+
+
+def defer_decline_reason(residual: Any, update: Any, gate: Any) -> Reason:
+    """Why `residual + gate * update` may not be left pending for a fused norm, or None."""
+    return defer.reason(residual, update, gate)
+
+
+def modnorm_decline_reason(x: Any, scale: Any, shift: Any) -> Reason:
+    """Why the fused `modnorm` (no residual) declines these inputs, or None when it accepts them."""
+    return plain.reason(x, scale, shift)

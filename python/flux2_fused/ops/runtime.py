@@ -1,0 +1,118 @@
+"""Process-wide state every fused op shares: the kill switch, and the live self-check verdicts.
+
+A fused op runs only where it is proven exact. The guards prove what the inputs' metadata can
+prove; this module holds what only running can: before an op's first fused call for a configuration
+(the op decides what a configuration is: hidden size, dtype, ...), its kernel is compared with live
+eager on fresh random and edge inputs on that device, and a single differing bit disables that
+configuration of that op for the rest of the process (one warning). A kernel that cannot be built
+fails its self-check the same way. Records are keyed by op, device and configuration, so ops never
+share verdicts.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+
+from . import jit
+
+DISABLE_ENV = "FLUX2_FUSED_DISABLE"
+_TRUE_VALUES = ("1", "true", "yes", "on")
+
+
+def kill_switch() -> bool:
+    """True when the environment variable FLUX2_FUSED_DISABLE turns every fused op off."""
+    value = os.environ.get(DISABLE_ENV)
+    return value is not None and value.strip().lower() in _TRUE_VALUES
+
+
+@dataclass(frozen=True)
+class FusedOp:
+    """What the shared machinery needs to know of one op.
+
+    self_check(device, config) compares the kernel with eager for one configuration and returns
+    (passed, what was compared); verify_configs are the configurations `flux2-fused verify` checks.
+    """
+
+    name: str
+    spec: jit.KernelSpec
+    self_check: Callable[[torch.device, Hashable], tuple[bool, str]]
+    verify_configs: tuple[Hashable, ...] = ()
+
+
+@dataclass
+class CheckRecord:
+    """One self-check verdict and what it cost."""
+
+    passed: bool
+    detail: str
+    seconds: float
+
+
+_lock = threading.RLock()
+_records: dict[tuple[str, torch.device, Hashable], CheckRecord] = {}
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """One RuntimeWarning per distinct message and process: a failure says so once, then stays eager."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"flux2-fused: {message}; using eager PyTorch", RuntimeWarning, stacklevel=4)
+
+
+def runtime_reason(op: FusedOp, device: torch.device, config: Hashable) -> str | None:
+    """Why `op` may not run on `device` for `config` right now: the kill switch, a failed build or a
+    failed self-check; None when it may. The first call for a configuration runs the self-check,
+    except during CUDA graph capture, where it cannot run and the call declines instead."""
+    if kill_switch():
+        return f"disabled by {DISABLE_ENV}"
+    key = (op.name, device, config)
+    record = _records.get(key)
+    if record is None:
+        if torch.cuda.is_current_stream_capturing():
+            return "configuration not yet self-checked, and checking is impossible during CUDA graph capture"
+        with _lock:
+            record = _records.get(key)
+            if record is None:
+                record = _records[key] = _check(op, device, config)
+    return None if record.passed else f"self-check failed: {record.detail}"
+
+
+def _check(op: FusedOp, device: torch.device, config: Hashable) -> CheckRecord:
+    start = time.perf_counter()
+    try:
+        jit.module_for(op.spec, device)
+    except jit.BuildError as exc:
+        warn_once(f"the {op.name} kernel is unavailable ({exc})")
+        return CheckRecord(False, f"BuildError: {exc}", time.perf_counter() - start)
+    try:
+        with torch.inference_mode():
+            passed, detail = op.self_check(device, config)
+    except Exception as exc:
+        passed, detail = False, f"{type(exc).__name__}: {exc}"
+    record = CheckRecord(passed, detail, time.perf_counter() - start)
+    if not passed:
+        warn_once(f"{op.name} disabled for {config} on {device} ({detail})")
+    return record
+
+
+def self_check_records() -> dict[tuple[str, str, str, str], CheckRecord]:
+    """The verdicts so far: (op, device, configuration, torch version) -> record with its one-time cost."""
+    return {
+        (name, str(device), str(config), torch.__version__): record
+        for (name, device, config), record in _records.items()
+    }
+
+
+def reset() -> None:
+    """Forget every verdict and warning (tests; a process that changed its GPUs)."""
+    with _lock:
+        _records.clear()
+        _warned.clear()
