@@ -10,8 +10,8 @@
 // Every floating-point op is written with an explicit-rounding intrinsic so that no compiler
 // contraction can change a bit; the module must be built without --use_fast_math. The elementwise
 // steps run as packed T-pair instructions where that is provably the same (Vec4 below): at these
-// byte counts the kernel was issue-bound, and packed math halved its instructions (77% -> 92% of
-// copy bandwidth at [1, 4608, 6144] on an H200).
+// byte counts the kernel was issue-bound, and packed math halves its instructions (the README's
+// kernel table has the measurements).
 //
 // One block of 128 threads handles one row. The row's elements live in registers between the
 // reduction and the output, so the kernel moves exactly: read residual + update, write residual_out
@@ -31,12 +31,14 @@ constexpr int kWarps = kThreads / 32;
 // Vec4<T>::add and ::mul round the exact sum or product of two T values to T once; eager rounds it
 // to fp32 first and then to T. For T = bf16 or fp16 (p = 8 or 11 significant bits) the two always
 // agree, NaN payloads aside, so the kernel may use the packed T instructions:
-// - sum: the fp32 sum is exact unless the exponents differ by more than 24 - p; then the smaller
-//   addend is below 2^(p - 24) of the larger, inside half a T ulp (2^(-p-1)) as 2p < 23, and both
-//   roundings return the larger addend.
+// - sum: the fp32 sum is exact while the exponents differ by at most 23 - p (a carry can add one
+//   bit, so a gap of 24 - p may already round); past that the smaller addend is below 2^(p - 23) of
+//   the larger, inside half a T ulp (2^(-p-1)) as 2p < 22, and both roundings return the larger
+//   addend.
 // - product: at most 2p significant bits, exact in fp32 except below 2^-126 (bf16 only). There a
 //   double rounding could differ only if the fp32 result sat exactly on a T rounding midpoint (an
-//   odd multiple of 2^-134) while the exact product did not, which needs more than 16 bits.
+//   odd multiple of 2^-134) while the exact product did not; a product of two 8-bit significands
+//   is at most 255^2 = 65025 units of its last place, too few bits for that (docs/numerics.md).
 // - overflow: T's overflow threshold is an fp32 value, and fp32 rounding cannot cross it.
 // Checked on the GPU with every bf16 bit pattern class: subnormal products, scale near -1, random
 // bits including NaN and Inf in all five inputs (test/ops/test_gated_resnorm_gpu.py).
@@ -197,8 +199,8 @@ struct RowRef {
 
 // One block per row. All of the row's residual and update loads (and, up to 12 vectors a thread, the
 // gate's) go out at once, straight into registers; the scale and shift rows are read after the
-// reduction, from cache (every row of a batch reads the same ones). Measured on an H200, this beat
-// a persistent grid prefetching the next row (registers or cp.async into shared memory), staging the
+// reduction, from cache (every row of a batch reads the same ones). In measurements (the README lists
+// them) this beat a persistent grid prefetching the next row (registers or cp.async into shared memory), staging the
 // modulation through cp.async, L1 prefetches of the modulation rows, and bulk copies (TMA) of the
 // streams into shared memory for more rows in flight per SM (notes in the README).
 // kGated: y = residual + gate * update (false: y = residual, the plain modulated LayerNorm).
