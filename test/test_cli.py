@@ -4,6 +4,7 @@ and the GPU-only commands' refusals. Timings are printed, never asserted."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import io
@@ -18,6 +19,17 @@ import pytest
 import torch
 
 from flux2_fused.bench import denoise
+from flux2_fused.bench.report import (
+    MODES,
+    SITES,
+    BenchReport,
+    KernelReport,
+    KernelRow,
+    ModeResult,
+    StepResult,
+    Timing,
+    VerifyRow,
+)
 from flux2_fused.cli import main
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 from flux2_fused.models.weights import WeightsError
@@ -42,12 +54,12 @@ def run_cli(args: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def documented_fields() -> tuple[set[str], set[str]]:
-    """The JSON fields the module docstring of bench/denoise.py documents: (top level, per mode)."""
-    doc = denoise.__doc__ or ""
-    return set(re.findall(r"^- (\w+):", doc, re.MULTILINE)), set(
-        re.findall(r"^  - (\w+):", doc, re.MULTILINE)
-    )
+REPORT_TYPES = [BenchReport, ModeResult, Timing, StepResult, KernelRow, KernelReport, VerifyRow]
+
+
+def documented_fields(cls: type) -> set[str]:
+    """The fields a report dataclass's docstring documents, one `- name: meaning` line each."""
+    return set(re.findall(r"^\s*- (\w+):", cls.__doc__ or "", re.MULTILINE))
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +83,21 @@ def test_bench_tiny_runs_and_reports(tiny_run: dict) -> None:
     assert [mode for mode, _ in shas] == ["eager", "fused"] and shas[0][1] == shas[1][1]
 
 
+@pytest.mark.parametrize("cls", REPORT_TYPES, ids=lambda cls: cls.__name__)
+def test_report_fields_are_documented_on_their_class(cls: type) -> None:
+    assert documented_fields(cls) == {field.name for field in dataclasses.fields(cls)}
+
+
 def test_json_has_every_documented_field(tiny_run: dict) -> None:
     report = json.loads(tiny_run["json"].read_text())
-    top, per_mode = documented_fields()
+    top, per_mode = documented_fields(BenchReport), documented_fields(ModeResult)
     assert len(top) > 20 and len(per_mode) >= 7  # the docstring's lists were found
     assert set(report) == top
-    for mode in denoise.MODES:
+    for mode in MODES:
         result = report[mode]
         assert set(result) == per_mode
         assert len(result["step_ms"]) == report["steps"] == 3
-        assert set(result["site_ms"]) == set(result["site_launches"]) == set(denoise.SITES)
+        assert set(result["site_ms"]) == set(result["site_launches"]) == set(SITES)
         assert sum(result["site_launches"].values()) == result["launches_per_step"] > 0
     assert (report["config"], report["dtype"], report["batch"]) == (
         "tiny",
@@ -277,7 +294,10 @@ def test_default_config_follows_free_memory() -> None:
 
 
 @no_cuda
-@pytest.mark.parametrize("command", [["verify"], ["kernel"], ["kernel", "--shapes", "6144x4608"]])
+@pytest.mark.parametrize(
+    "command",
+    [["verify"], ["kernel"], ["kernel", "--shapes", "6144x4608"], ["step"], ["step", "--configs", "dev"]],
+)
 def test_gpu_commands_refuse_without_cuda(command: list[str]) -> None:
     code, out, err = run_cli(command)
     assert code == 2 and out == ""
@@ -287,6 +307,24 @@ def test_gpu_commands_refuse_without_cuda(command: list[str]) -> None:
 def test_kernel_help_passes_through() -> None:
     code, out, _err = run_cli(["kernel", "--help"])
     assert code == 0 and "--shapes" in out
+
+
+def test_step_help() -> None:
+    code, out, _err = run_cli(["step", "--help"])
+    assert code == 0 and out.startswith("usage: flux2-fused step") and "--compile" in out
+
+
+@pytest.mark.parametrize(
+    ("module", "other"),
+    [
+        ("flux2_fused.bench.denoise", "flux2_fused.bench.plot"),
+        ("flux2_fused.bench.plot", "flux2_fused.bench.denoise"),
+    ],
+)
+def test_denoise_and_plot_do_not_import_each_other(module: str, other: str) -> None:
+    code = f"import sys, {module}; sys.exit({other!r} in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")])}
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
 
 
 @pytest.fixture(scope="module")

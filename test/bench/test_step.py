@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flux2_fused.bench.step import Timing, _pair_order
+from flux2_fused.bench.report import Timing
+from flux2_fused.bench.step import _pair_order
 
 
 def test_pairs_alternate_which_mode_runs_first() -> None:

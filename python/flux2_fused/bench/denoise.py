@@ -24,65 +24,20 @@ attention, copies, ...). On the CPU the same split is made over aten ops (self C
 and the launch count is the number of aten ops, nested ones included. Verdict: the final latents of
 the two loops are bit-exact when `torch.equal` holds and their bytes have the same SHA-256.
 
-JSON fields (`--json FILE`; times in ms unless the name says s):
-- flux2_fused: package version
-- torch: torch version
-- device: the torch device the run used ("cuda:0", "cpu")
-- gpu: GPU name, null on the CPU
-- compute_capability: "major.minor", null on the CPU
-- config: preset name (dev, klein-4b, klein-9b, tiny), or "custom" for weights matching none
-- weights: the weights folder, null for random weights
-- inner_dim: D, the width of the residual streams
-- double_blocks: number of double-stream blocks
-- single_blocks: number of single-stream blocks
-- params: parameter count
-- dtype: bf16, fp16 or fp32
-- height: image height in pixels
-- width: image width in pixels
-- batch: batch size
-- image_tokens: image tokens a sample, (height / 16) * (width / 16)
-- text_tokens: text tokens a sample
-- steps: timed denoise steps a mode
-- seed: seed of the weights, latents and text embeddings
-- guidance: the guidance value given to the model, null when the config has no guidance embedder
-- schedule: the sigma schedule and update rule, in words
-- launch_unit: what launches_per_step counts ("cuda kernels" or "aten ops")
-- eager: the eager mode's results (fields below)
-- fused: the fused mode's results (fields below)
-- speedup_pct: 100 * (eager median / fused median - 1); positive when fused is faster
-- bit_exact: the final latents of both modes are identical (torch.equal and equal SHA-256)
-- fused_active: the fused kernel really ran in the fused mode (self-check passed, launches seen)
-- fused_status: why the fused path was or was not active, in words
-- self_checks: the kernel self-check verdicts of this process: device, dim, dtype, passed, detail, seconds
-- notes: the notes printed before the run (machine-dependent choices, fallbacks)
-- build_s: seconds to build or load the model
-- total_s: seconds for the whole run
-
-Per mode (`eager`, `fused`):
-  - step_ms: time of each timed step, in order
-  - median_ms: median of step_ms
-  - warmup_s: the untimed warm-up step (fused: includes the kernel build or load and self-check)
-  - launches_per_step: CUDA kernels (on the CPU: aten ops, nested ones included) in the profiled step
-  - site_ms: kernel time (CPU: op self time) of the profiled step by site: fused, norm, elementwise, other
-  - site_launches: launches of the profiled step by the same sites
-  - sha256: SHA-256 of the final latents' bytes
-
-The other commands' logic lives here too, so that `flux2_fused.cli` only parses: `verify_command`
-(the kernel's live self-check for every hidden size the models use, and one that is not a multiple
-of the kernel's 512-element pass) and `build_command` (compile without a GPU, one library a target).
+The report's figures (and JSON fields) are documented on `report.BenchReport`; the command that
+plans, runs, prints and writes them is `flux2_fused.commands.bench_command`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO, TypeVar
@@ -93,16 +48,17 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from .. import __version__
+from ..errors import BadValue
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from ..models.weights import CONFIG_NAME, WeightsError, read_config, shard_files
-from ..ops import DISABLE_ENV, enabled, jit, self_check_records
-from ..ops.gated_resnorm import SUPPORTED_DTYPES, self_check
+from ..ops import DISABLE_ENV, enabled, self_check_records
+from ..ops.gated_resnorm import SUPPORTED_DTYPES
+from .report import MODES, SITES, BenchReport, ModeResult
 from .step import FUSED_KERNEL, tensor_sha256
 from .timing import event_ms
 
 T = TypeVar("T")
 
-MODES = ("eager", "fused")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PRESETS = tuple(Flux2Config.PRESETS)
 PX_PER_TOKEN = 16  # the VAE downsamples 8x and FLUX.2 packs 2x2 latent pixels into a token
@@ -113,7 +69,6 @@ DEFAULT_TEXT_TOKENS = 512
 MIN_FUSED_CAPABILITY = (8, 0)
 # Activation memory of a dev forward, about 10 GB at 1024x1024 (4608 joint tokens), scaled per token.
 ACTIVATION_BYTES_PER_TOKEN = 10e9 / 4608
-SITES = ("fused", "norm", "elementwise", "other")
 # Kernel names on the GPU, aten op names on the CPU; the first pattern that matches names the site.
 _SITE_PATTERNS = (
     ("fused", re.compile(re.escape(FUSED_KERNEL))),
@@ -123,26 +78,6 @@ _SITE_PATTERNS = (
         re.compile(r"elementwise_kernel|^aten::(?:add|mul|sub|div|neg|silu|clamp|clip|cos|sin|exp|pow)_?$"),
     ),
 )
-VERIFY_DIMS = (3072, 4096, 6144, 8192, 16384, 4100)  # 4100 % 512 == 4: a partial last pass of the row
-VERIFY_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class BenchError(Exception):
-    """A problem the user can fix, reported as one line; `exit_code` is the process's exit status."""
-
-    exit_code = 1
-
-
-class BadValue(BenchError):
-    """An option value the run cannot use (a usage error, hence argparse's exit status)."""
-
-    exit_code = 2
-
-
-class NeedsCuda(BenchError):
-    """The command needs a CUDA GPU and this machine has none."""
-
-    exit_code = 2
 
 
 # --------------------------------------------------------------------------- planning
@@ -177,8 +112,8 @@ class Plan:
     text_tokens: int
     seed: int
     dtype: torch.dtype
-    fused_unavailable: str | None  # why the fused path cannot run here, None when it can
-    fused_allowed: bool  # `model.fused` in the fused mode
+    fused: bool  # `model.fused` in the fused mode
+    fused_off_reason: str | None  # why the fast path cannot run here, None when it can
     notes: tuple[str, ...]
 
     @property
@@ -214,13 +149,7 @@ def _check_side(name: str, value: int) -> None:
         )
 
 
-def _check_output(option: str, path: Path | None) -> None:
-    """Fail before the run, not after minutes of it, when an output file cannot be written."""
-    if path is not None and not path.parent.is_dir():
-        raise BadValue(f"{option} {path}: folder {path.parent} does not exist")
-
-
-def fused_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+def fused_off_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the fused path cannot run on this device in this dtype (one line), None when it can."""
     if device.type != "cuda":
         return "no CUDA GPU: the fused path needs one, so both modes run eager PyTorch on the CPU"
@@ -251,7 +180,7 @@ def weights_config(folder: Path) -> Flux2Config:
     return config
 
 
-def plan(request: BenchRequest, json_path: Path | None = None, plot_path: Path | None = None) -> Plan:
+def plan(request: BenchRequest) -> Plan:
     """Validate the request and fill in this machine's defaults; raises BadValue naming the option."""
     for name, value in (
         ("steps", request.steps),
@@ -263,8 +192,6 @@ def plan(request: BenchRequest, json_path: Path | None = None, plot_path: Path |
     for option, value, known in (("--config", request.config, PRESETS), ("--dtype", request.dtype, DTYPES)):
         if value is not None and value not in known:
             raise BadValue(f"unknown {option} {value!r}; choose one of {', '.join(known)}")
-    _check_output("--json", json_path)
-    _check_output("--plot", plot_path)
     cuda = torch.cuda.is_available()
     side = GPU_SIDE if cuda else CPU_SIDE
     height = side if request.height is None else request.height
@@ -288,9 +215,9 @@ def plan(request: BenchRequest, json_path: Path | None = None, plot_path: Path |
                 f"{free / 1e9:.0f} GB free on the GPU and dev needs about {need / 1e9:.0f} GB: "
                 f"benchmarking {preset_name(config)} (choose with --config)"
             )
-    unavailable = fused_unavailable(device, dtype)
-    if unavailable is not None:
-        notes.append(unavailable)
+    off_reason = fused_off_reason(device, dtype)
+    if off_reason is not None:
+        notes.append(off_reason)
     return Plan(
         device=device,
         config=config,
@@ -302,10 +229,10 @@ def plan(request: BenchRequest, json_path: Path | None = None, plot_path: Path |
         text_tokens=request.text_tokens,
         seed=request.seed,
         dtype=dtype,
-        fused_unavailable=unavailable,
         # Too old a GPU: never try to build the kernel for it. Elsewhere (the CPU, fp32) the fused mode
         # still runs with `fused = True`, through the fused code path whose guards decline to eager.
-        fused_allowed=not cuda or torch.cuda.get_device_capability(device) >= MIN_FUSED_CAPABILITY,
+        fused=not cuda or torch.cuda.get_device_capability(device) >= MIN_FUSED_CAPABILITY,
+        fused_off_reason=off_reason,
         notes=tuple(notes),
     )
 
@@ -420,55 +347,6 @@ def profile_step(fn: Callable[[], object], device: torch.device) -> ProfiledStep
 # --------------------------------------------------------------------------- the run and its report
 
 
-@dataclass
-class ModeResult:
-    step_ms: list[float]
-    median_ms: float
-    warmup_s: float
-    launches_per_step: int
-    site_ms: dict[str, float]
-    site_launches: dict[str, int]
-    sha256: str
-
-
-@dataclass
-class BenchReport:
-    """Every figure of the summary; the JSON fields, documented in the module docstring."""
-
-    flux2_fused: str
-    torch: str
-    device: str
-    gpu: str | None
-    compute_capability: str | None
-    config: str
-    weights: str | None
-    inner_dim: int
-    double_blocks: int
-    single_blocks: int
-    params: int
-    dtype: str
-    height: int
-    width: int
-    batch: int
-    image_tokens: int
-    text_tokens: int
-    steps: int
-    seed: int
-    guidance: float | None
-    schedule: str
-    launch_unit: str
-    eager: ModeResult
-    fused: ModeResult
-    speedup_pct: float
-    bit_exact: bool
-    fused_active: bool
-    fused_status: str
-    self_checks: list[dict]
-    notes: list[str]
-    build_s: float
-    total_s: float
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     """bf16, fp16 or fp32: the names the options use."""
     return next(name for name, value in DTYPES.items() if value == dtype)
@@ -497,8 +375,8 @@ def _self_check_dicts() -> list[dict]:
 
 def _fused_status(p: Plan, fused: ModeResult, checks: list[dict]) -> tuple[bool, str]:
     """(active, why): active only when the fused kernel was seen running and its self-check passed."""
-    if p.fused_unavailable is not None:
-        return False, p.fused_unavailable
+    if p.fused_off_reason is not None:
+        return False, p.fused_off_reason
     failed = next((c for c in checks if not c["passed"]), None)
     if failed is not None:
         return False, f"self-check failed for D={failed['dim']} {failed['dtype']}: {failed['detail']}"
@@ -516,7 +394,7 @@ def measure(model: Flux2Transformer, p: Plan, log: TextIO) -> tuple[dict[str, Mo
     schedule = sigmas(p.steps)
 
     def step(mode: str, x: torch.Tensor, i: int) -> torch.Tensor:
-        model.fused = mode == "fused" and p.fused_allowed
+        model.fused = mode == "fused" and p.fused
         return euler_step(model, x, inputs, schedule[i], schedule[i + 1])
 
     warmup_s: dict[str, float] = {}
@@ -600,148 +478,3 @@ def run(p: Plan, log: TextIO | None = None) -> BenchReport:
         build_s=build_s,
         total_s=time.perf_counter() - started,
     )
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
-
-
-def format_summary(r: BenchReport) -> str:
-    """The human-readable report: setup, the per-mode table, the fused-path status and the verdict."""
-    source = r.weights or f"random weights, seed {r.seed}"
-    device = f"{r.gpu} (sm {r.compute_capability})" if r.gpu else "CPU"
-    guidance = f"guidance {r.guidance}" if r.guidance is not None else "no guidance embedder"
-    rows = []
-    for mode in MODES:
-        m: ModeResult = getattr(r, mode)
-        speedup = "-" if mode == "eager" else f"{r.speedup_pct:+.1f}%"
-        sites = [f"{m.site_ms[site]:.2f}" for site in SITES]
-        rows.append([mode, f"{m.median_ms:.2f}", speedup, m.launches_per_step, *sites, f"{m.warmup_s:.2f}"])
-    headers = ["mode", "median ms/step", "speedup", f"{r.launch_unit}/step"]
-    headers += [f"{site} ms" for site in SITES] + ["warm-up s"]
-    verdict = "yes" if r.bit_exact else "NO"
-    return "\n".join(
-        [
-            f"flux2-fused bench: {r.config} (D={r.inner_dim}, {r.double_blocks} double + {r.single_blocks} "
-            f"single blocks, {_count(r.params)} params, {source}), {r.dtype}",
-            f"{r.height}x{r.width} px = {r.image_tokens} image + {r.text_tokens} text tokens, "
-            f"batch {r.batch}, {guidance}; {r.schedule}",
-            f"device: {device}, torch {r.torch}, flux2-fused {r.flux2_fused}",
-            f"fused path: {'active' if r.fused_active else 'NOT active'}: {r.fused_status}",
-            "",
-            markdown_table(headers, rows),
-            f"(site ms: {'kernel time' if r.gpu else 'aten op self time'} of one profiled step)",
-            "",
-            f"bit-exact: {verdict} (final latents of both modes, torch.equal and SHA-256)",
-            f"  sha256 eager {r.eager.sha256}",
-            f"  sha256 fused {r.fused.sha256}",
-        ]
-    )
-
-
-def write_json(report: BenchReport, path: Path) -> None:
-    path.write_text(json.dumps(asdict(report), indent=2) + "\n", encoding="utf-8")
-
-
-def bench_command(request: BenchRequest, json_path: Path | None = None, plot_path: Path | None = None) -> int:
-    """`flux2-fused bench`: plan, run, print the summary, write the files; 1 when not bit-exact."""
-    from . import plot  # it imports this module, and matplotlib only when drawing
-
-    p = plan(request, json_path, plot_path)
-    if plot_path is not None:
-        plot.require_matplotlib()
-    for note in p.notes:
-        print(f"flux2-fused: {note}", file=sys.stderr)
-    report = run(p)
-    print(format_summary(report))
-    for path, write in ((json_path, write_json), (plot_path, plot.save_plot)):
-        if path is not None:
-            write(report, path)
-            print(f"flux2-fused: wrote {path}", file=sys.stderr)
-    if not report.bit_exact:
-        print(
-            "flux2-fused: error: the fused and eager final latents differ (see the SHA-256s)", file=sys.stderr
-        )
-        return 1
-    return 0
-
-
-# --------------------------------------------------------------------------- verify and build
-
-
-def require_cuda(what: str) -> torch.device:
-    """The current CUDA device, or NeedsCuda naming the command that needs one."""
-    if not torch.cuda.is_available():
-        raise NeedsCuda(f"{what} needs a CUDA GPU and none is available")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-@dataclass
-class VerifyRow:
-    dim: int
-    dtype: str
-    passed: bool
-    detail: str
-    seconds: float
-
-
-def verify_kernel() -> list[VerifyRow]:
-    """The kernel's live bit-exactness self-check on this GPU, for every D x dtype in VERIFY_DIMS."""
-    device = require_cuda("verify")
-    jit.load_module(jit.device_arch(device))  # build once up front: a failed build is one error, not 12
-    rows = []
-    for dim in VERIFY_DIMS:
-        for name, dtype in VERIFY_DTYPES.items():
-            start = time.perf_counter()
-            try:
-                with torch.inference_mode():
-                    passed, detail = self_check(device, dim, dtype)
-            except Exception as exc:  # a crash is a failed check of this row; the others still run
-                passed, detail = False, f"{type(exc).__name__}: {exc}"
-            rows.append(VerifyRow(dim, name, passed, detail, time.perf_counter() - start))
-    return rows
-
-
-def format_verify(rows: Sequence[VerifyRow]) -> str:
-    device = torch.cuda.get_device_name()
-    table = markdown_table(
-        ["D", "dtype", "passed", "detail", "seconds"],
-        [[r.dim, r.dtype, "yes" if r.passed else "NO", r.detail, f"{r.seconds:.3f}"] for r in rows],
-    )
-    failed = sum(not r.passed for r in rows)
-    verdict = "all bit-exact" if not failed else f"{failed} of {len(rows)} FAILED"
-    return f"flux2-fused verify on {device}, torch {torch.__version__}\n{table}\n{verdict}"
-
-
-def verify_command() -> int:
-    """`flux2-fused verify`: print the self-check table; 1 when any configuration fails."""
-    rows = verify_kernel()
-    print(format_verify(rows))
-    return 0 if all(r.passed for r in rows) else 1
-
-
-def default_archs() -> list[str]:
-    """The present GPU's architecture, else Hopper and Blackwell (9.0, 10.0)."""
-    if torch.cuda.is_available():
-        return [jit.device_arch(torch.cuda.current_device())]
-    return ["9.0", "10.0"]
-
-
-def build_command(archs: Sequence[str]) -> int:
-    """`flux2-fused build`: compile (or find cached) one library per architecture and print its path.
-
-    One library per architecture, not one fat binary, because that is what the runtime loads
-    (`jit.load_module(arch)`): this fills exactly the cache entries a later run looks up.
-    """
-    for arch in archs:
-        print(
-            f"flux2-fused: building the kernels for sm {arch} (cached after the first build)", file=sys.stderr
-        )
-        print(f"{arch}: {jit.build([arch])}")
-    return 0

@@ -1,0 +1,159 @@
+"""What the `flux2-fused` commands do, once `flux2_fused.cli` has parsed their arguments.
+
+`bench` plans, runs, prints and writes the denoise benchmark; `step` and `kernel` run their
+benchmarks on a CUDA GPU; `verify` runs the kernel's bit-exactness self-check for every hidden size
+the models use (and one that is not a multiple of the kernel's 512-element pass); `build` compiles
+the kernels without a GPU. They sit here, outside `bench`, so that the benchmarks and the plot never
+import each other and the command line only parses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .bench import denoise, plot
+from .bench.report import VerifyRow, check_output, format_summary, format_verify, write_json
+from .errors import CommandError, NeedsCuda
+from .models.weights import WeightsError
+from .ops import jit
+from .ops.gated_resnorm import self_check
+
+MIN_ARCH_MAJOR = 8  # the kernels use sm_80 instructions (bf16 pair math)
+# The errors a command reports as a plain line; anything else is called unexpected.
+EXPECTED_ERRORS = (CommandError, WeightsError, jit.BuildError, OSError)
+
+
+def require_cuda(what: str) -> torch.device:
+    """The current CUDA device, or NeedsCuda naming the command that needs one."""
+    if not torch.cuda.is_available():
+        raise NeedsCuda(f"{what} needs a CUDA GPU and none is available")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+# --------------------------------------------------------------------------- benchmarks
+
+
+def bench_command(
+    request: denoise.BenchRequest, json_path: Path | None = None, plot_path: Path | None = None
+) -> int:
+    """`flux2-fused bench`: plan, run, print the summary, write the files; 1 when not bit-exact."""
+    p = denoise.plan(request)
+    check_output("--json", json_path)
+    check_output("--plot", plot_path)
+    if plot_path is not None:
+        plot.require_matplotlib()
+    for note in p.notes:
+        print(f"flux2-fused: {note}", file=sys.stderr)
+    report = denoise.run(p)
+    print(format_summary(report))
+    if json_path is not None:
+        write_json(asdict(report), json_path)
+        print(f"flux2-fused: wrote {json_path}", file=sys.stderr)
+    if plot_path is not None:
+        plot.save_plot(report, plot_path)
+        print(f"flux2-fused: wrote {plot_path}", file=sys.stderr)
+    if not report.bit_exact:
+        print(
+            "flux2-fused: error: the fused and eager final latents differ (see the SHA-256s)", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
+def gpu_benchmark_command(
+    what: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace
+) -> int:
+    """`flux2-fused step` and `kernel`: refuse without a CUDA GPU, else run the benchmark."""
+    require_cuda(what)
+    return run(args)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+@dataclass(frozen=True)
+class _VerifyConfig:
+    """One configuration the kernel is verified for."""
+
+    dim: int
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"D={self.dim} {denoise.dtype_name(self.dtype)}"
+
+
+# 4100 % 512 == 4: a partial last pass of the row.
+_VERIFY_CONFIGS = tuple(
+    _VerifyConfig(dim, dtype)
+    for dim in (3072, 4096, 6144, 8192, 16384, 4100)
+    for dtype in (torch.bfloat16, torch.float16)
+)
+
+
+SelfCheck = Callable[[torch.device, _VerifyConfig], tuple[bool, str]]
+
+
+def _verify_targets() -> list[tuple[str, SelfCheck, Sequence[_VerifyConfig]]]:
+    """(op name, its self-check, the configs to check) for every fused op: the one place that knows
+    which ops there are."""
+    return [("gated_resnorm", lambda device, c: self_check(device, c.dim, c.dtype), _VERIFY_CONFIGS)]
+
+
+def verify_kernels() -> list[VerifyRow]:
+    """The kernels' live bit-exactness self-checks on this GPU, every op in every configuration."""
+    device = require_cuda("verify")
+    jit.load_module(jit.device_arch(device))  # build once up front: a failed build is one error, not 12
+    rows = []
+    for op, check, configs in _verify_targets():
+        for config in configs:
+            start = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    passed, detail = check(device, config)
+            except Exception as exc:  # a crash is a failed check of this row; the others still run
+                passed, detail = False, f"{type(exc).__name__}: {exc}"
+            rows.append(VerifyRow(op, str(config), passed, detail, time.perf_counter() - start))
+    return rows
+
+
+def verify_command() -> int:
+    """`flux2-fused verify`: print the self-check table; 1 when any configuration fails."""
+    rows = verify_kernels()
+    print(format_verify(rows, torch.cuda.get_device_name(), torch.__version__))
+    return 0 if all(r.passed for r in rows) else 1
+
+
+# --------------------------------------------------------------------------- build
+
+
+def parse_arch(text: str) -> str:
+    """A --arch value in tvm-ffi's 'M.m[a]' form; ValueError when unrecognizable."""
+    return jit.normalize_arch(text)
+
+
+def default_archs() -> list[str]:
+    """The present GPU's architecture, else Hopper and Blackwell (9.0, 10.0)."""
+    if torch.cuda.is_available():
+        return [jit.device_arch(torch.cuda.current_device())]
+    return ["9.0", "10.0"]
+
+
+def build_command(archs: Sequence[str]) -> int:
+    """`flux2-fused build`: compile (or find cached) one library per architecture and print its path.
+
+    One library per architecture, not one fat binary, because that is what the runtime loads
+    (`jit.load_module(arch)`): this fills exactly the cache entries a later run looks up.
+    """
+    for arch in archs:
+        print(
+            f"flux2-fused: building the kernels for sm {arch} (cached after the first build)", file=sys.stderr
+        )
+        print(f"{arch}: {jit.build([arch])}")
+    return 0
