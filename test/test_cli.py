@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flux2_fused.bench import denoise
+from flux2_fused.bench import denoise, plot
 from flux2_fused.bench.report import (
+    INACTIVE,
     MODES,
     SITES,
     BenchReport,
@@ -108,6 +109,36 @@ def test_json_has_every_documented_field(tiny_run: dict) -> None:
     assert report["bit_exact"] and report["eager"]["sha256"] == report["fused"]["sha256"]
     if report["gpu"] is None:
         assert not report["fused_active"] and "CUDA" in report["fused_status"]
+
+
+def test_no_speedup_is_claimed_without_the_fast_path(tiny_run: dict) -> None:
+    """Without the fast path both modes run the same eager code: a "speedup" would be noise."""
+    report = json.loads(tiny_run["json"].read_text())
+    fused_row = next(line for line in tiny_run["out"].splitlines() if line.startswith("| fused |"))
+    speedup_cell = fused_row.split("|")[3].strip()
+    if report["fused_active"]:
+        assert speedup_cell.endswith("%") and report["speedup_pct"] is not None
+    else:
+        assert speedup_cell == INACTIVE and report["speedup_pct"] is None
+
+
+@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="needs matplotlib (pip install matplotlib)")
+def test_plot_title_says_when_the_fast_path_was_inactive(
+    tiny_run: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from matplotlib.figure import Figure
+
+    titles: list[str] = []
+    real = Figure.suptitle
+    monkeypatch.setattr(
+        Figure, "suptitle", lambda fig, text, **kw: titles.append(text) or real(fig, text, **kw)
+    )
+    data = json.loads(tiny_run["json"].read_text())
+    modes = {mode: ModeResult(**data.pop(mode)) for mode in MODES}
+    report = BenchReport(**data, **modes)
+    plot.save_plot(dataclasses.replace(report, speedup_pct=None), tmp_path / "a.png")
+    plot.save_plot(dataclasses.replace(report, speedup_pct=4.3), tmp_path / "b.png")
+    assert f"fused {INACTIVE}" in titles[0] and "fused +4.3%" in titles[1]
 
 
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
