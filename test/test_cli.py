@@ -280,6 +280,46 @@ def test_a_difference_between_the_modes_fails_the_run(monkeypatch: pytest.Monkey
     )
 
 
+def assert_refused_before_the_run(args: list[str], message: str) -> None:
+    code, out, err = run_cli(["bench", *TINY_ARGS, *args])
+    assert code == 2 and out == "" and message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    ("make_args", "message"),
+    [
+        (lambda tmp: ["--json", str(tmp)], "is a folder; give a file name"),
+        (lambda tmp: ["--plot", str(tmp / "out.txt")], "must end in .png"),
+        (lambda tmp: ["--plot", str(tmp / "noext")], "must end in .png"),
+    ],
+    ids=["json-is-a-folder", "plot-txt", "plot-no-suffix"],
+)
+def test_unusable_output_paths_fail_before_the_run(tmp_path: Path, make_args, message: str) -> None:
+    assert_refused_before_the_run(make_args(tmp_path), message)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root can write in a folder of mode 0500 (the /proc test covers this as root)"
+)
+def test_output_in_a_read_only_folder_fails_before_the_run(tmp_path: Path) -> None:
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    assert_refused_before_the_run(["--json", str(folder / "r.json")], f"cannot write in folder {folder}")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux's /proc")
+def test_output_in_proc_fails_before_the_run() -> None:
+    """/proc takes no new files, even from root: an unwritable folder wherever the tests run."""
+    assert_refused_before_the_run(["--json", "/proc/r.json"], "cannot write in folder /proc")
+
+
+def test_the_path_written_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _out, err = run_cli(["bench", *TINY_ARGS, "--json", "r.json"])
+    assert code == 0 and f"flux2-fused: wrote {tmp_path.resolve() / 'r.json'}" in err
+
+
 def test_plot_without_matplotlib_fails_before_the_run(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -46,7 +46,7 @@ def bench_command(
     """`flux2-fused bench`: plan, run, print the summary, write the files; 1 when not bit-exact."""
     p = denoise.plan(request)
     check_output("--json", json_path)
-    check_output("--plot", plot_path)
+    check_output("--plot", plot_path, suffix=".png")
     if plot_path is not None:
         plot.require_matplotlib()
     for note in p.notes:
@@ -55,10 +55,10 @@ def bench_command(
     print(format_summary(report))
     if json_path is not None:
         write_json(asdict(report), json_path)
-        print(f"flux2-fused: wrote {json_path}", file=sys.stderr)
+        print(f"flux2-fused: wrote {json_path.resolve()}", file=sys.stderr)
     if plot_path is not None:
         plot.save_plot(report, plot_path)
-        print(f"flux2-fused: wrote {plot_path}", file=sys.stderr)
+        print(f"flux2-fused: wrote {plot_path.resolve()}", file=sys.stderr)
     if not report.bit_exact:
         print(
             "flux2-fused: error: the fused and eager final latents differ (see the SHA-256s)", file=sys.stderr
