@@ -412,6 +412,46 @@ def test_build_without_gpu(built_sm90: tuple[int, str, str]) -> None:
     assert code == 0, err
     arch, path = out.strip().split(": ", 1)
     assert arch == "9.0" and path.endswith(".so") and Path(path).is_file()
+    assert re.search(r"^flux2-fused: kernels for sm 9\.0: (cached|built in \d+\.\d s)$", err, re.MULTILINE), (
+        err
+    )
+
+
+@pytest.mark.parametrize("text", ["7.0", "7.5", "sm_75", "61"])
+def test_build_refuses_architectures_older_than_sm80(text: str) -> None:
+    code, out, err = run_cli(["build", "--arch", text])
+    assert code == 2 and out == "" and "is not supported: the kernels need sm_80 (8.0) or newer" in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--arch", "8.0", "9.0a", "10.0", "12.0"],
+        ["--arch", "8.0", "9.0a", "--arch", "10.0", "--arch", "sm_120"],
+    ],
+    ids=["one-option", "repeated"],
+)
+def test_build_takes_several_architectures(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, args: list[str]
+) -> None:
+    """Cached (an older file) or built now (a file written by the call): the message says which."""
+    cached = tmp_path / "cached.so"
+    cached.touch()
+    os.utime(cached, (1e9, 1e9))
+
+    def fake_build(archs: list[str]) -> Path:
+        if archs == ["8.0"]:
+            return cached
+        lib = tmp_path / f"{archs[0]}.so"
+        lib.touch()
+        return lib
+
+    monkeypatch.setattr(jit, "build", fake_build)
+    code, out, err = run_cli(["build", *args])
+    assert code == 0, err
+    assert [line.split(": ")[0] for line in out.splitlines()] == ["8.0", "9.0a", "10.0", "12.0"]
+    assert "kernels for sm 8.0: cached" in err and re.search(r"kernels for sm 12\.0: built in \d+\.\d s", err)
+    assert "building" not in err
 
 
 def test_build_error_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -151,9 +151,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     build = add("build", _build, "compile the kernels (nvcc, no GPU needed) and print the libraries")
     build.add_argument(
         "--arch",
-        action="append",
+        nargs="+",
+        action="extend",
         type=_arch,
-        help="CUDA architecture, repeatable, e.g. 9.0 10.0 (default: this GPU's, else 9.0 and 10.0)",
+        help="CUDA architectures, 8.0 or newer, e.g. --arch 9.0 10.0 (default: this GPU's, else 9.0 10.0)",
     )
     return parser, subparsers
 

@@ -25,7 +25,8 @@ from .models.weights import WeightsError
 from .ops import jit
 from .ops.gated_resnorm import self_check
 
-MIN_ARCH_MAJOR = 8  # the kernels use sm_80 instructions (bf16 pair math)
+MTIME_SLACK_S = 1.0
+MIN_ARCH = 8  # the kernels use sm_80 instructions (bf16 pair math): major 8 or newer
 # The errors a command reports as a plain line; anything else is called unexpected.
 EXPECTED_ERRORS = (CommandError, WeightsError, jit.BuildError, OSError)
 
@@ -134,8 +135,14 @@ def verify_command() -> int:
 
 
 def parse_arch(text: str) -> str:
-    """A --arch value in tvm-ffi's 'M.m[a]' form; ValueError when unrecognizable."""
-    return jit.normalize_arch(text)
+    """A --arch value in tvm-ffi's 'M.m[a]' form; ValueError when unrecognizable or too old, so the
+    user hears it before a build that nvcc would fail many lines later."""
+    arch = jit.normalize_arch(text)
+    if int(arch.split(".")[0]) < MIN_ARCH:
+        raise ValueError(
+            f"sm {arch} is not supported: the kernels need sm_{MIN_ARCH}0 ({MIN_ARCH}.0) or newer"
+        )
+    return arch
 
 
 def default_archs() -> list[str]:
@@ -152,8 +159,12 @@ def build_command(archs: Sequence[str]) -> int:
     (`jit.load_module(arch)`): this fills exactly the cache entries a later run looks up.
     """
     for arch in archs:
-        print(
-            f"flux2-fused: building the kernels for sm {arch} (cached after the first build)", file=sys.stderr
-        )
-        print(f"{arch}: {jit.build([arch])}")
+        start = time.time()
+        lib = jit.build([arch])
+        # A library found in the cache was written before this call, a fresh build writes it now. File
+        # times come from the kernel's coarse clock, which can trail time.time() by a tick: hence the slack.
+        fresh = lib.stat().st_mtime >= start - MTIME_SLACK_S
+        how = f"built in {time.time() - start:.1f} s" if fresh else "cached"
+        print(f"flux2-fused: kernels for sm {arch}: {how}", file=sys.stderr)
+        print(f"{arch}: {lib}")
     return 0
