@@ -31,7 +31,7 @@ from flux2_fused.bench.report import (
     Timing,
     VerifyRow,
 )
-from flux2_fused.cli import main
+from flux2_fused.cli import build_parser, main
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 from flux2_fused.models.weights import WeightsError
 from flux2_fused.ops import jit
@@ -378,6 +378,17 @@ def test_gpu_commands_refuse_without_cuda(command: list[str]) -> None:
 def test_kernel_help_passes_through() -> None:
     code, out, _err = run_cli(["kernel", "--help"])
     assert code == 0 and "--shapes" in out
+    assert out.startswith("usage: flux2-fused kernel ")
+    assert re.search(r"--batch B\s+batch size", out) and re.search(
+        r"--dtype \{bf16,fp16\}\s+element type", out
+    )
+
+
+@pytest.mark.parametrize("command", ["bench", "step", "kernel", "verify", "build"])
+def test_every_option_has_help(command: str) -> None:
+    parser = build_parser()[1][command]
+    assert parser.prog == f"flux2-fused {command}"
+    assert all(action.help for action in parser._actions), [a.dest for a in parser._actions if not a.help]
 
 
 def test_step_help() -> None:
