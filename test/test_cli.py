@@ -158,6 +158,31 @@ def test_default_bench_picks_tiny_on_the_cpu() -> None:
     assert "bit-exact: yes" in out
 
 
+@no_cuda
+def test_a_cpu_run_that_cannot_fit_is_refused_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(denoise, "available_ram_bytes", lambda: 3 * 10**9)
+    code, out, err = run_cli(["bench", "--config", "klein-4b"])
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert re.match(
+        r"flux2-fused: error: --config klein-4b in fp32 needs about 1\d\.\d GB of memory \(an estimate\) "
+        r"and this machine has 3\.0 GB available",
+        err,
+    ), err
+
+
+@no_cuda
+def test_a_slow_cpu_run_is_announced_with_an_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(denoise, "cpu_flops_per_s", lambda dtype: 1e6)  # a very slow CPU
+    code, _out, err = run_cli(["bench", *TINY_ARGS])
+    assert code == 0, err
+    assert re.search(r"^flux2-fused: estimate: this run takes roughly \d+ min on this CPU", err, re.MULTILINE)
+
+
+@no_cuda
+def test_a_quick_cpu_run_has_no_estimate(tiny_run: dict) -> None:
+    assert "estimate" not in tiny_run["err"]
+
+
 def test_entry_point_python_m() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")])}
     args = [

@@ -67,8 +67,11 @@ GPU_SIDE, CPU_SIDE = 1024, 256  # default image side in pixels
 DEFAULT_STEPS = 4
 DEFAULT_TEXT_TOKENS = 512
 MIN_FUSED_CAPABILITY = (8, 0)
-# Activation memory of a dev forward, about 10 GB at 1024x1024 (4608 joint tokens), scaled per token.
+# Activation memory of a dev forward (D = 6144, bf16), about 10 GB at 1024x1024 (4608 joint tokens);
+# other shapes scale it by tokens, D and element size.
 ACTIVATION_BYTES_PER_TOKEN = 10e9 / 4608
+_DEV_DIM, _DEV_ITEMSIZE = 6144, 2
+SLOW_CPU_RUN_S = 60  # a CPU run estimated to take longer gets a warning before it starts
 # Kernel names on the GPU, aten op names on the CPU; the first pattern that matches names the site.
 _SITE_PATTERNS = (
     ("fused", re.compile(re.escape(FUSED_KERNEL))),
@@ -129,7 +132,66 @@ def param_count(config: Flux2Config) -> int:
 
 def bytes_needed(config: Flux2Config, dtype: torch.dtype, tokens: int) -> float:
     """Weights plus activations of one forward over `tokens` joint tokens (batch included)."""
-    return param_count(config) * dtype.itemsize + ACTIVATION_BYTES_PER_TOKEN * tokens
+    scale = config.inner_dim / _DEV_DIM * dtype.itemsize / _DEV_ITEMSIZE
+    return param_count(config) * dtype.itemsize + ACTIVATION_BYTES_PER_TOKEN * tokens * scale
+
+
+def forward_flops(config: Flux2Config, batch: int, seq: int) -> float:
+    """Rough FLOPs of one forward over `seq` joint tokens a sample: two a weight a token (the linear
+    layers hold nearly all the weights) plus attention's two [seq, seq] products in every block."""
+    blocks = config.num_layers + config.num_single_layers
+    return 2 * param_count(config) * batch * seq + 4 * batch * seq**2 * config.inner_dim * blocks
+
+
+def available_ram_bytes() -> int | None:
+    """Memory the OS can give this process now (MemAvailable, which counts reclaimable caches; else
+    the free pages), None where neither is known."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def cpu_flops_per_s(dtype: torch.dtype) -> float:
+    """This CPU's matmul rate in `dtype`, best of three 512-cube products (milliseconds): a model's
+    forward is mostly matmuls, and the rate differs by far between machines and dtypes."""
+    a = torch.randn(512, 512).to(dtype)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - start)
+    return 2 * 512**3 / best
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+
+
+def cpu_run_note(
+    what: str, config: Flux2Config, dtype: torch.dtype, batch: int, seq: int, steps: int
+) -> str | None:
+    """Refuse a CPU run that cannot fit in memory (BadValue, before the allocator fails half-way);
+    a note with the estimated time when it will be slow; None when it is quick."""
+    need, have = bytes_needed(config, dtype, batch * seq), available_ram_bytes()
+    if have is not None and need > have:
+        raise BadValue(
+            f"{what} in {dtype_name(dtype)} needs about {need / 1e9:.1f} GB of memory (an estimate) and "
+            f"this machine has {have / 1e9:.1f} GB available: choose a smaller --config (tiny) or a CUDA GPU"
+        )
+    forwards = len(MODES) * (steps + 2)  # each mode: the warm-up, the timed steps, the profiled step
+    flops, rate = forward_flops(config, batch, seq), cpu_flops_per_s(dtype)
+    seconds = forwards * flops / rate
+    if seconds < SLOW_CPU_RUN_S:
+        return None
+    return (
+        f"estimate: this run takes roughly {_duration(seconds)} on this CPU ({forwards} forwards of "
+        f"{flops / 1e12:.2f} TFLOP at a measured {rate / 1e9:.0f} GFLOP/s); --config tiny takes seconds"
+    )
 
 
 def default_config(free_bytes: int | None, tokens: int) -> str:
@@ -201,12 +263,13 @@ def plan(request: BenchRequest) -> Plan:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = DTYPES[request.dtype or ("bf16" if cuda else "fp32")]
     notes: list[str] = []
+    seq = height * width // PX_PER_TOKEN**2 + request.text_tokens  # joint tokens a sample
     if request.weights is not None:
         config = weights_config(request.weights)
     elif request.config is not None:
         config = Flux2Config.preset(request.config)
     else:
-        tokens = request.batch * (height * width // PX_PER_TOKEN**2 + request.text_tokens)
+        tokens = request.batch * seq
         free = torch.cuda.mem_get_info(device)[0] if cuda else None
         config = Flux2Config.preset(default_config(free, tokens))
         if free is not None and config != Flux2Config.preset("dev"):
@@ -215,6 +278,15 @@ def plan(request: BenchRequest) -> Plan:
                 f"{free / 1e9:.0f} GB free on the GPU and dev needs about {need / 1e9:.0f} GB: "
                 f"benchmarking {preset_name(config)} (choose with --config)"
             )
+    if not cuda:
+        what = (
+            f"--weights {request.weights}"
+            if request.weights is not None
+            else f"--config {preset_name(config)}"
+        )
+        slow = cpu_run_note(what, config, dtype, request.batch, seq, request.steps)
+        if slow is not None:
+            notes.append(slow)
     off_reason = fused_off_reason(device, dtype)
     if off_reason is not None:
         notes.append(off_reason)
