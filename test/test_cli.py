@@ -220,18 +220,63 @@ def _malformed_weights(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def _pipeline_folder(tmp_path: Path) -> Path:
+    """A diffusers pipeline root: model_index.json and one folder a component."""
+    (tmp_path / "model_index.json").write_text('{"_class_name": "Flux2Pipeline"}')
+    (tmp_path / "transformer").mkdir()
+    return tmp_path
+
+
+def _vae_folder(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text('{"_class_name": "AutoencoderKLFlux2", "latent_channels": 32}')
+    return tmp_path
+
+
+def test_a_pipeline_folder_points_at_its_transformer(tmp_path: Path) -> None:
+    code, _out, err = run_cli(["bench", "--weights", str(_pipeline_folder(tmp_path))])
+    assert (
+        code == 2
+        and err == f"flux2-fused: error: {tmp_path} is a pipeline folder; pass {tmp_path / 'transformer'}\n"
+    )
+
+
+def test_weights_that_do_not_match_their_config_exit_2(tmp_path: Path) -> None:
+    """Found while loading, after the plan: still the --weights argument's fault, so still 2."""
+    Flux2Transformer.random(Flux2Config.preset("tiny"), seed=5).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_layers": 3}))
+    code, _out, err = run_cli(["bench", "--weights", str(tmp_path), *TINY_ARGS[2:]])
+    assert code == 2 and "missing keys" in err.splitlines()[-1], err
+
+
 @pytest.mark.parametrize(
     ("make_args", "code", "message"),
     [
-        (lambda tmp: ["--weights", str(tmp / "missing")], 1, "does not exist"),
-        (lambda tmp: ["--weights", str(_malformed_weights(tmp))], 1, "config.json: invalid num_layers"),
+        (lambda tmp: ["--weights", str(tmp / "missing")], 2, "does not exist"),
+        (lambda tmp: ["--weights", str(_malformed_weights(tmp))], 2, "config.json: invalid num_layers"),
+        (lambda tmp: ["--weights", str(_pipeline_folder(tmp))], 2, "is a pipeline folder; pass "),
+        (
+            lambda tmp: ["--weights", str(_vae_folder(tmp))],
+            2,
+            "config.json describes AutoencoderKLFlux2, not a FLUX.2 transformer (Flux2Transformer2DModel)",
+        ),
         (lambda tmp: ["--height", "1000"], 2, "--height 1000 is not a positive multiple of 16"),
         (lambda tmp: ["--width", "0"], 2, "--width 0 is not a positive multiple of 16"),
         (lambda tmp: ["--steps", "0"], 2, "--steps must be at least 1"),
         (lambda tmp: ["--batch", "-1"], 2, "--batch must be at least 1"),
         (lambda tmp: ["--json", str(tmp / "no-such-folder" / "r.json")], 2, "does not exist"),
     ],
-    ids=["missing-weights", "malformed-weights", "height", "width", "steps", "batch", "json-folder"],
+    ids=[
+        "missing-weights",
+        "malformed-weights",
+        "pipeline-folder",
+        "vae-folder",
+        "height",
+        "width",
+        "steps",
+        "batch",
+        "json-folder",
+    ],
 )
 def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message: str) -> None:
     status, out, err = run_cli(["bench", *make_args(tmp_path)])

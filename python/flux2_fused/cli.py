@@ -10,9 +10,15 @@
     flux2-fused build [--arch 9.0 ...]  compile the kernels (no GPU needed) and print the libraries
 
 The work is in `flux2_fused.commands`; the benchmarks' options are declared by their modules.
-Every failure is one line on stderr, `flux2-fused: error: ...`, and a non-zero exit status (2 for
-bad values and a missing GPU, like argparse's usage errors; 1 otherwise); `--debug` re-raises it
-with its traceback instead.
+Every failure is one line on stderr, `flux2-fused: error: ...` (`--debug` re-raises it with its
+traceback instead), and the exit status says whose it is:
+    0  success
+    1  a failure while running: a kernel build, out of memory, fused and eager results that differ,
+       a failed self-check, matplotlib missing for --plot, anything unexpected
+    2  bad arguments, found before any work: argparse's usage errors, values the run cannot use, a
+       --weights folder that is not a usable FLUX.2 transformer, an output file that cannot be
+       written, a missing CUDA GPU, a model too large for the CPU's memory
+    130  interrupted
 """
 
 from __future__ import annotations
@@ -185,4 +191,4 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
-        return getattr(exc, "exit_code", 1)
+        return commands.exit_code(exc)

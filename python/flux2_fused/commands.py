@@ -31,6 +31,12 @@ MIN_ARCH = 8  # the kernels use sm_80 instructions (bf16 pair math): major 8 or 
 EXPECTED_ERRORS = (CommandError, WeightsError, jit.BuildError, OSError)
 
 
+def exit_code(exc: BaseException) -> int:
+    """The exit status of a failed command: 2 when the arguments ask for what cannot be done (a
+    --weights folder that is not a usable FLUX.2 transformer among them), 1 for a failure while running."""
+    return 2 if isinstance(exc, WeightsError) else getattr(exc, "exit_code", 1)
+
+
 def require_cuda(what: str) -> torch.device:
     """The current CUDA device, or NeedsCuda naming the command that needs one."""
     if not torch.cuda.is_available():

@@ -72,6 +72,8 @@ MIN_FUSED_CAPABILITY = (8, 0)
 ACTIVATION_BYTES_PER_TOKEN = 10e9 / 4608
 _DEV_DIM, _DEV_ITEMSIZE = 6144, 2
 SLOW_CPU_RUN_S = 60  # a CPU run estimated to take longer gets a warning before it starts
+PIPELINE_INDEX = "model_index.json"  # marks a diffusers pipeline folder, one subfolder a component
+TRANSFORMER_CLASS = "Flux2Transformer2DModel"  # config.json's _class_name in a FLUX.2 transformer folder
 # Kernel names on the GPU, aten op names on the CPU; the first pattern that matches names the site.
 _SITE_PATTERNS = (
     ("fused", re.compile(re.escape(FUSED_KERNEL))),
@@ -231,11 +233,17 @@ def fused_off_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def weights_config(folder: Path) -> Flux2Config:
     """The architecture a weights folder declares, read before anything heavy so a bad folder fails
-    first (WeightsError naming the file)."""
+    first (WeightsError naming the file and, for the usual mix-ups, the folder to pass instead)."""
+    if (folder / PIPELINE_INDEX).is_file() and (folder / "transformer").is_dir():
+        raise WeightsError(f"{folder} is a pipeline folder; pass {folder / 'transformer'}")
+    raw = read_config(folder)
+    declared = raw.get("_class_name", TRANSFORMER_CLASS)
+    if declared != TRANSFORMER_CLASS:
+        raise WeightsError(
+            f"{folder / CONFIG_NAME} describes {declared}, not a FLUX.2 transformer ({TRANSFORMER_CLASS})"
+        )
     try:
-        config = Flux2Config.from_diffusers(read_config(folder))
-    except WeightsError:
-        raise
+        config = Flux2Config.from_diffusers(raw)
     except (TypeError, ValueError) as err:
         raise WeightsError(f"{folder / CONFIG_NAME}: {err}") from err
     shard_files(folder)  # only checks that the weights files are there
