@@ -41,7 +41,10 @@ PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
 TINY_ARGS = ["--config", "tiny", "--height", "64", "--width", "96", "--steps", "3", "--text-tokens", "24"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
-no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA GPU")
+no_cuda = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks what happens on a machine without a CUDA GPU"
+)
+needs_matplotlib = pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="needs matplotlib (pip install matplotlib)")
 
 
 def run_cli(args: list[str]) -> tuple[int, str, str]:
@@ -122,7 +125,7 @@ def test_no_speedup_is_claimed_without_the_fast_path(tiny_run: dict) -> None:
         assert speedup_cell == INACTIVE and report["speedup_pct"] is None
 
 
-@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="needs matplotlib (pip install matplotlib)")
+@needs_matplotlib
 def test_plot_title_says_when_the_fast_path_was_inactive(
     tiny_run: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -141,7 +144,7 @@ def test_plot_title_says_when_the_fast_path_was_inactive(
     assert f"fused {INACTIVE}" in titles[0] and "fused +4.3%" in titles[1]
 
 
-@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
+@needs_matplotlib
 def test_plot_is_a_png_matplotlib_reads(tiny_run: dict) -> None:
     png = tiny_run["png"]
     assert png.read_bytes()[:8] == PNG_SIGNATURE
@@ -370,7 +373,7 @@ def test_unusable_output_paths_fail_before_the_run(tmp_path: Path, make_args, me
 
 
 @pytest.mark.skipif(
-    os.geteuid() == 0, reason="root can write in a folder of mode 0500 (the /proc test covers this as root)"
+    os.geteuid() == 0, reason="needs a non-root user (root can write in a folder of mode 0500)"
 )
 def test_output_in_a_read_only_folder_fails_before_the_run(tmp_path: Path) -> None:
     folder = tmp_path / "read-only"
@@ -483,8 +486,8 @@ def test_denoise_and_plot_do_not_import_each_other(module: str, other: str) -> N
 def built_sm90() -> tuple[int, str, str]:
     """`build --arch 9.0` once (15-30 s on a cold cache); skipped where nvcc or apache-tvm-ffi is missing."""
     if jit.find_nvcc() is None:
-        pytest.skip("nvcc not found (no CUDA toolkit): cannot test building the kernels")
-    pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed")
+        pytest.skip("needs nvcc (CUDA toolkit)")
+    pytest.importorskip("tvm_ffi", reason="needs apache-tvm-ffi (pip install apache-tvm-ffi)")
     return run_cli(["build", "--arch", "9.0"])
 
 
