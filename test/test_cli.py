@@ -37,6 +37,11 @@ from flux2_fused.models.weights import WeightsError
 from flux2_fused.ops import jit
 
 PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
+# For `python -m ...` in a subprocess: this tree's package, installed or not.
+SUBPROCESS_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")]),
+}
 # Small enough for milliseconds a step, with a non-square image grid and a batch of two.
 TINY_ARGS = ["--config", "tiny", "--height", "64", "--width", "96", "--steps", "3", "--text-tokens", "24"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -187,7 +192,6 @@ def test_a_quick_cpu_run_has_no_estimate(tiny_run: dict) -> None:
 
 
 def test_entry_point_python_m() -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")])}
     args = [
         "bench",
         "--config",
@@ -202,10 +206,23 @@ def test_entry_point_python_m() -> None:
         "8",
     ]
     proc = subprocess.run(
-        [sys.executable, "-m", "flux2_fused", *args], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-m", "flux2_fused", *args],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "bit-exact: yes" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["step", "kernel"])
+def test_benchmark_modules_run_as_their_command(command: str) -> None:
+    module = f"flux2_fused.bench.{command}"
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=SUBPROCESS_ENV
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: flux2-fused {command} "), proc.stderr
 
 
 def test_bench_from_a_weights_folder(tmp_path: Path) -> None:
@@ -478,8 +495,7 @@ def test_step_help() -> None:
 )
 def test_denoise_and_plot_do_not_import_each_other(module: str, other: str) -> None:
     code = f"import sys, {module}; sys.exit({other!r} in sys.modules)"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")])}
-    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], env=SUBPROCESS_ENV, timeout=120).returncode == 0
 
 
 @pytest.fixture(scope="module")

@@ -51,9 +51,9 @@ def bench_command(
     request: denoise.BenchRequest, json_path: Path | None = None, plot_path: Path | None = None
 ) -> int:
     """`flux2-fused bench`: plan, run, print the summary, write the files; 1 when not bit-exact."""
-    p = denoise.plan(request)
     check_output("--json", json_path)
     check_output("--plot", plot_path, suffix=".png")
+    p = denoise.plan(request)
     if plot_path is not None:
         plot.require_matplotlib()
     for note in p.notes:
