@@ -4,6 +4,7 @@ and the GPU-only commands' refusals. Timings are printed, never asserted."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import io
@@ -17,18 +18,38 @@ from pathlib import Path
 import pytest
 import torch
 
-from flux2_fused.bench import denoise
-from flux2_fused.cli import main
+from flux2_fused.bench import denoise, plot
+from flux2_fused.bench.report import (
+    INACTIVE,
+    MODES,
+    SITES,
+    BenchReport,
+    KernelReport,
+    KernelRow,
+    ModeResult,
+    StepResult,
+    Timing,
+    VerifyRow,
+)
+from flux2_fused.cli import build_parser, main
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 from flux2_fused.models.weights import WeightsError
 from flux2_fused.ops import jit
 
 PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
+# For `python -m ...` in a subprocess: this tree's package, installed or not.
+SUBPROCESS_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")]),
+}
 # Small enough for milliseconds a step, with a non-square image grid and a batch of two.
 TINY_ARGS = ["--config", "tiny", "--height", "64", "--width", "96", "--steps", "3", "--text-tokens", "24"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
-no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA GPU")
+no_cuda = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks what happens on a machine without a CUDA GPU"
+)
+needs_matplotlib = pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="needs matplotlib (pip install matplotlib)")
 
 
 def run_cli(args: list[str]) -> tuple[int, str, str]:
@@ -42,12 +63,12 @@ def run_cli(args: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def documented_fields() -> tuple[set[str], set[str]]:
-    """The JSON fields the module docstring of bench/denoise.py documents: (top level, per mode)."""
-    doc = denoise.__doc__ or ""
-    return set(re.findall(r"^- (\w+):", doc, re.MULTILINE)), set(
-        re.findall(r"^  - (\w+):", doc, re.MULTILINE)
-    )
+REPORT_TYPES = [BenchReport, ModeResult, Timing, StepResult, KernelRow, KernelReport, VerifyRow]
+
+
+def documented_fields(cls: type) -> set[str]:
+    """The fields a report dataclass's docstring documents, one `- name: meaning` line each."""
+    return set(re.findall(r"^\s*- (\w+):", cls.__doc__ or "", re.MULTILINE))
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +92,21 @@ def test_bench_tiny_runs_and_reports(tiny_run: dict) -> None:
     assert [mode for mode, _ in shas] == ["eager", "fused"] and shas[0][1] == shas[1][1]
 
 
+@pytest.mark.parametrize("cls", REPORT_TYPES, ids=lambda cls: cls.__name__)
+def test_report_fields_are_documented_on_their_class(cls: type) -> None:
+    assert documented_fields(cls) == {field.name for field in dataclasses.fields(cls)}
+
+
 def test_json_has_every_documented_field(tiny_run: dict) -> None:
     report = json.loads(tiny_run["json"].read_text())
-    top, per_mode = documented_fields()
+    top, per_mode = documented_fields(BenchReport), documented_fields(ModeResult)
     assert len(top) > 20 and len(per_mode) >= 7  # the docstring's lists were found
     assert set(report) == top
-    for mode in denoise.MODES:
+    for mode in MODES:
         result = report[mode]
         assert set(result) == per_mode
         assert len(result["step_ms"]) == report["steps"] == 3
-        assert set(result["site_ms"]) == set(result["site_launches"]) == set(denoise.SITES)
+        assert set(result["site_ms"]) == set(result["site_launches"]) == set(SITES)
         assert sum(result["site_launches"].values()) == result["launches_per_step"] > 0
     assert (report["config"], report["dtype"], report["batch"]) == (
         "tiny",
@@ -93,7 +119,37 @@ def test_json_has_every_documented_field(tiny_run: dict) -> None:
         assert not report["fused_active"] and "CUDA" in report["fused_status"]
 
 
-@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
+def test_no_speedup_is_claimed_without_the_fast_path(tiny_run: dict) -> None:
+    """Without the fast path both modes run the same eager code: a "speedup" would be noise."""
+    report = json.loads(tiny_run["json"].read_text())
+    fused_row = next(line for line in tiny_run["out"].splitlines() if line.startswith("| fused |"))
+    speedup_cell = fused_row.split("|")[3].strip()
+    if report["fused_active"]:
+        assert speedup_cell.endswith("%") and report["speedup_pct"] is not None
+    else:
+        assert speedup_cell == INACTIVE and report["speedup_pct"] is None
+
+
+@needs_matplotlib
+def test_plot_title_says_when_the_fast_path_was_inactive(
+    tiny_run: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from matplotlib.figure import Figure
+
+    titles: list[str] = []
+    real = Figure.suptitle
+    monkeypatch.setattr(
+        Figure, "suptitle", lambda fig, text, **kw: titles.append(text) or real(fig, text, **kw)
+    )
+    data = json.loads(tiny_run["json"].read_text())
+    modes = {mode: ModeResult(**data.pop(mode)) for mode in MODES}
+    report = BenchReport(**data, **modes)
+    plot.save_plot(dataclasses.replace(report, speedup_pct=None), tmp_path / "a.png")
+    plot.save_plot(dataclasses.replace(report, speedup_pct=4.3), tmp_path / "b.png")
+    assert f"fused {INACTIVE}" in titles[0] and "fused +4.3%" in titles[1]
+
+
+@needs_matplotlib
 def test_plot_is_a_png_matplotlib_reads(tiny_run: dict) -> None:
     png = tiny_run["png"]
     assert png.read_bytes()[:8] == PNG_SIGNATURE
@@ -110,8 +166,32 @@ def test_default_bench_picks_tiny_on_the_cpu() -> None:
     assert "bit-exact: yes" in out
 
 
+@no_cuda
+def test_a_cpu_run_that_cannot_fit_is_refused_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(denoise, "available_ram_bytes", lambda: 3 * 10**9)
+    code, out, err = run_cli(["bench", "--config", "klein-4b"])
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert re.match(
+        r"flux2-fused: error: --config klein-4b in fp32 needs about 1\d\.\d GB of memory \(an estimate\) "
+        r"and this machine has 3\.0 GB available",
+        err,
+    ), err
+
+
+@no_cuda
+def test_a_slow_cpu_run_is_announced_with_an_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(denoise, "cpu_flops_per_s", lambda dtype: 1e6)  # a very slow CPU
+    code, _out, err = run_cli(["bench", *TINY_ARGS])
+    assert code == 0, err
+    assert re.search(r"^flux2-fused: estimate: this run takes roughly \d+ min on this CPU", err, re.MULTILINE)
+
+
+@no_cuda
+def test_a_quick_cpu_run_has_no_estimate(tiny_run: dict) -> None:
+    assert "estimate" not in tiny_run["err"]
+
+
 def test_entry_point_python_m() -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PYTHON_DIR), os.environ.get("PYTHONPATH", "")])}
     args = [
         "bench",
         "--config",
@@ -126,10 +206,23 @@ def test_entry_point_python_m() -> None:
         "8",
     ]
     proc = subprocess.run(
-        [sys.executable, "-m", "flux2_fused", *args], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-m", "flux2_fused", *args],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "bit-exact: yes" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["step", "kernel"])
+def test_benchmark_modules_run_as_their_command(command: str) -> None:
+    module = f"flux2_fused.bench.{command}"
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=SUBPROCESS_ENV
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: flux2-fused {command} "), proc.stderr
 
 
 def test_bench_from_a_weights_folder(tmp_path: Path) -> None:
@@ -147,18 +240,63 @@ def _malformed_weights(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def _pipeline_folder(tmp_path: Path) -> Path:
+    """A diffusers pipeline root: model_index.json and one folder a component."""
+    (tmp_path / "model_index.json").write_text('{"_class_name": "Flux2Pipeline"}')
+    (tmp_path / "transformer").mkdir()
+    return tmp_path
+
+
+def _vae_folder(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text('{"_class_name": "AutoencoderKLFlux2", "latent_channels": 32}')
+    return tmp_path
+
+
+def test_a_pipeline_folder_points_at_its_transformer(tmp_path: Path) -> None:
+    code, _out, err = run_cli(["bench", "--weights", str(_pipeline_folder(tmp_path))])
+    assert (
+        code == 2
+        and err == f"flux2-fused: error: {tmp_path} is a pipeline folder; pass {tmp_path / 'transformer'}\n"
+    )
+
+
+def test_weights_that_do_not_match_their_config_exit_2(tmp_path: Path) -> None:
+    """Found while loading, after the plan: still the --weights argument's fault, so still 2."""
+    Flux2Transformer.random(Flux2Config.preset("tiny"), seed=5).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_layers": 3}))
+    code, _out, err = run_cli(["bench", "--weights", str(tmp_path), *TINY_ARGS[2:]])
+    assert code == 2 and "missing keys" in err.splitlines()[-1], err
+
+
 @pytest.mark.parametrize(
     ("make_args", "code", "message"),
     [
-        (lambda tmp: ["--weights", str(tmp / "missing")], 1, "does not exist"),
-        (lambda tmp: ["--weights", str(_malformed_weights(tmp))], 1, "config.json: invalid num_layers"),
+        (lambda tmp: ["--weights", str(tmp / "missing")], 2, "does not exist"),
+        (lambda tmp: ["--weights", str(_malformed_weights(tmp))], 2, "config.json: invalid num_layers"),
+        (lambda tmp: ["--weights", str(_pipeline_folder(tmp))], 2, "is a pipeline folder; pass "),
+        (
+            lambda tmp: ["--weights", str(_vae_folder(tmp))],
+            2,
+            "config.json describes AutoencoderKLFlux2, not a FLUX.2 transformer (Flux2Transformer2DModel)",
+        ),
         (lambda tmp: ["--height", "1000"], 2, "--height 1000 is not a positive multiple of 16"),
         (lambda tmp: ["--width", "0"], 2, "--width 0 is not a positive multiple of 16"),
         (lambda tmp: ["--steps", "0"], 2, "--steps must be at least 1"),
         (lambda tmp: ["--batch", "-1"], 2, "--batch must be at least 1"),
         (lambda tmp: ["--json", str(tmp / "no-such-folder" / "r.json")], 2, "does not exist"),
     ],
-    ids=["missing-weights", "malformed-weights", "height", "width", "steps", "batch", "json-folder"],
+    ids=[
+        "missing-weights",
+        "malformed-weights",
+        "pipeline-folder",
+        "vae-folder",
+        "height",
+        "width",
+        "steps",
+        "batch",
+        "json-folder",
+    ],
 )
 def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message: str) -> None:
     status, out, err = run_cli(["bench", *make_args(tmp_path)])
@@ -232,6 +370,46 @@ def test_a_difference_between_the_modes_fails_the_run(monkeypatch: pytest.Monkey
     )
 
 
+def assert_refused_before_the_run(args: list[str], message: str) -> None:
+    code, out, err = run_cli(["bench", *TINY_ARGS, *args])
+    assert code == 2 and out == "" and message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    ("make_args", "message"),
+    [
+        (lambda tmp: ["--json", str(tmp)], "is a folder; give a file name"),
+        (lambda tmp: ["--plot", str(tmp / "out.txt")], "must end in .png"),
+        (lambda tmp: ["--plot", str(tmp / "noext")], "must end in .png"),
+    ],
+    ids=["json-is-a-folder", "plot-txt", "plot-no-suffix"],
+)
+def test_unusable_output_paths_fail_before_the_run(tmp_path: Path, make_args, message: str) -> None:
+    assert_refused_before_the_run(make_args(tmp_path), message)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="needs a non-root user (root can write in a folder of mode 0500)"
+)
+def test_output_in_a_read_only_folder_fails_before_the_run(tmp_path: Path) -> None:
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    assert_refused_before_the_run(["--json", str(folder / "r.json")], f"cannot write in folder {folder}")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux's /proc")
+def test_output_in_proc_fails_before_the_run() -> None:
+    """/proc takes no new files, even from root: an unwritable folder wherever the tests run."""
+    assert_refused_before_the_run(["--json", "/proc/r.json"], "cannot write in folder /proc")
+
+
+def test_the_path_written_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _out, err = run_cli(["bench", *TINY_ARGS, "--json", "r.json"])
+    assert code == 0 and f"flux2-fused: wrote {tmp_path.resolve() / 'r.json'}" in err
+
+
 def test_plot_without_matplotlib_fails_before_the_run(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -277,7 +455,10 @@ def test_default_config_follows_free_memory() -> None:
 
 
 @no_cuda
-@pytest.mark.parametrize("command", [["verify"], ["kernel"], ["kernel", "--shapes", "6144x4608"]])
+@pytest.mark.parametrize(
+    "command",
+    [["verify"], ["kernel"], ["kernel", "--shapes", "6144x4608"], ["step"], ["step", "--configs", "dev"]],
+)
 def test_gpu_commands_refuse_without_cuda(command: list[str]) -> None:
     code, out, err = run_cli(command)
     assert code == 2 and out == ""
@@ -287,22 +468,97 @@ def test_gpu_commands_refuse_without_cuda(command: list[str]) -> None:
 def test_kernel_help_passes_through() -> None:
     code, out, _err = run_cli(["kernel", "--help"])
     assert code == 0 and "--shapes" in out
+    assert out.startswith("usage: flux2-fused kernel ")
+    assert re.search(r"--batch B\s+batch size", out) and re.search(
+        r"--dtype \{bf16,fp16\}\s+element type", out
+    )
+
+
+@pytest.mark.parametrize("command", ["bench", "step", "kernel", "verify", "build"])
+def test_every_option_has_help(command: str) -> None:
+    parser = build_parser()[1][command]
+    assert parser.prog == f"flux2-fused {command}"
+    assert all(action.help for action in parser._actions), [a.dest for a in parser._actions if not a.help]
+
+
+def test_step_help() -> None:
+    code, out, _err = run_cli(["step", "--help"])
+    assert code == 0 and out.startswith("usage: flux2-fused step") and "--compile" in out
+
+
+@pytest.mark.parametrize(
+    ("module", "other"),
+    [
+        ("flux2_fused.bench.denoise", "flux2_fused.bench.plot"),
+        ("flux2_fused.bench.plot", "flux2_fused.bench.denoise"),
+    ],
+)
+def test_denoise_and_plot_do_not_import_each_other(module: str, other: str) -> None:
+    code = f"import sys, {module}; sys.exit({other!r} in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], env=SUBPROCESS_ENV, timeout=120).returncode == 0
 
 
 @pytest.fixture(scope="module")
 def built_sm90() -> tuple[int, str, str]:
     """`build --arch 9.0` once (15-30 s on a cold cache); skipped where nvcc or apache-tvm-ffi is missing."""
     if jit.find_nvcc() is None:
-        pytest.skip("nvcc not found (no CUDA toolkit): cannot test building the kernels")
-    pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed")
+        pytest.skip("needs nvcc (CUDA toolkit)")
+    pytest.importorskip("tvm_ffi", reason="needs apache-tvm-ffi (pip install apache-tvm-ffi)")
     return run_cli(["build", "--arch", "9.0"])
 
 
 def test_build_without_gpu(built_sm90: tuple[int, str, str]) -> None:
     code, out, err = built_sm90
     assert code == 0, err
-    arch, path = out.strip().split(": ", 1)
-    assert arch == "9.0" and path.endswith(".so") and Path(path).is_file()
+    target, path = out.strip().split(": ", 1)
+    assert target == "9.0 gated_resnorm" and path.endswith(".so") and Path(path).is_file()
+    done = re.search(
+        r"^flux2-fused: gated_resnorm for sm 9\.0: (cached|built in \d+\.\d s)$", err, re.MULTILINE
+    )
+    assert done, err
+    # "building" is said before a compile and only then
+    assert ("building the gated_resnorm kernel for sm 9.0" in err) == (done.group(1) != "cached")
+
+
+@pytest.mark.parametrize("text", ["7.0", "7.5", "sm_75", "61"])
+def test_build_refuses_architectures_older_than_sm80(text: str) -> None:
+    code, out, err = run_cli(["build", "--arch", text])
+    assert code == 2 and out == "" and "is not supported: the kernels need sm_80 (8.0) or newer" in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--arch", "8.0", "9.0a", "10.0", "12.0"],
+        ["--arch", "8.0", "9.0a", "--arch", "10.0", "--arch", "sm_120"],
+    ],
+    ids=["one-option", "repeated"],
+)
+def test_build_takes_several_architectures(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, args: list[str]
+) -> None:
+    """sm 8.0 is in the cache, the others are built now: the messages say which, and "building"
+    is announced only for a real build."""
+    built: list[str] = []
+    monkeypatch.setattr(jit, "is_cached", lambda spec, archs: archs == ["8.0"])
+
+    def fake_build(spec: jit.KernelSpec, archs: list[str]) -> Path:
+        built.append(archs[0])
+        return tmp_path / f"{spec.name}-{archs[0]}.so"
+
+    monkeypatch.setattr(jit, "build", fake_build)
+    code, out, err = run_cli(["build", *args])
+    assert code == 0, err
+    assert [line.split(": ")[0] for line in out.splitlines()] == [
+        f"{arch} gated_resnorm" for arch in ("8.0", "9.0a", "10.0", "12.0")
+    ]
+    assert built == ["8.0", "9.0a", "10.0", "12.0"]
+    assert (
+        "gated_resnorm for sm 8.0: cached" in err
+        and "building the gated_resnorm kernel for sm 8.0" not in err
+    )
+    assert re.search(r"gated_resnorm for sm 12\.0: built in \d+\.\d s", err)
+    assert "building the gated_resnorm kernel for sm 12.0" in err
 
 
 def test_build_error_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,14 +2,23 @@
 
     flux2-fused bench [--config NAME | --weights PATH] [--height PX --width PX] [--steps N] [--batch N]
                       [--text-tokens N] [--seed N] [--dtype bf16|fp16|fp32] [--json FILE] [--plot FILE.png]
-    flux2-fused kernel [ARGS...]      the single-site kernel benchmark (python -m flux2_fused.bench.kernel)
+    flux2-fused step [--configs NAME ...] [--steps N] [--compile] [--json FILE] ...
+                                      one denoise step, eager vs fused (flux2_fused.bench.step)
+    flux2-fused kernel [--shapes DxT ...] [--json FILE] ...
+                                      one fused site, eager vs fused (flux2_fused.bench.kernel)
     flux2-fused verify                the kernel's bit-exactness self-check on this GPU
     flux2-fused build [--arch 9.0 ...]  compile the kernels (no GPU needed) and print the libraries
 
-The work is in `flux2_fused.bench.denoise` (bench, verify, build) and `flux2_fused.bench.kernel`.
-Every failure is one line on stderr, `flux2-fused: error: ...`, and a non-zero exit status (2 for
-bad values and a missing GPU, like argparse's usage errors; 1 otherwise); `--debug` re-raises it
-with its traceback instead.
+The work is in `flux2_fused.commands`; the benchmarks' options are declared by their modules.
+Every failure is one line on stderr, `flux2-fused: error: ...` (`--debug` re-raises it with its
+traceback instead), and the exit status says whose it is:
+    0  success
+    1  a failure while running: a kernel build, out of memory, fused and eager results that differ,
+       a failed self-check, matplotlib missing for --plot, anything unexpected
+    2  bad arguments, found before any work: argparse's usage errors, values the run cannot use, a
+       --weights folder that is not a usable FLUX.2 transformer, an output file that cannot be
+       written, a missing CUDA GPU, a model too large for the CPU's memory
+    130  interrupted
 """
 
 from __future__ import annotations
@@ -21,23 +30,21 @@ from pathlib import Path
 
 import torch
 
-from .bench import denoise, kernel
-from .models.weights import WeightsError
-from .ops import jit
+from . import commands
+from .bench import denoise, kernel, step
 
 PROG = "flux2-fused"
-HELP_FLAGS = frozenset({"-h", "--help"})
 
 
 def _arch(text: str) -> str:
     """--arch values in tvm-ffi's form, rejected at parse time (a usage error) when unrecognizable."""
     try:
-        return jit.normalize_arch(text)
+        return commands.parse_arch(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-def _bench(args: argparse.Namespace, _extra: list[str]) -> int:
+def _bench(args: argparse.Namespace) -> int:
     request = denoise.BenchRequest(
         config=args.config,
         weights=args.weights,
@@ -49,24 +56,26 @@ def _bench(args: argparse.Namespace, _extra: list[str]) -> int:
         seed=args.seed,
         dtype=args.dtype,
     )
-    return denoise.bench_command(request, args.json, args.plot)
+    return commands.bench_command(request, args.json, args.plot)
 
 
-def _kernel(_args: argparse.Namespace, extra: list[str]) -> int:
-    if not HELP_FLAGS & set(extra):  # its --help works anywhere
-        denoise.require_cuda("the kernel benchmark")
-    return kernel.main(extra)
+def _step(args: argparse.Namespace) -> int:
+    return commands.gpu_benchmark_command("the step benchmark", step.run, args)
 
 
-def _verify(_args: argparse.Namespace, _extra: list[str]) -> int:
-    return denoise.verify_command()
+def _kernel(args: argparse.Namespace) -> int:
+    return commands.gpu_benchmark_command("the kernel benchmark", kernel.run, args)
 
 
-def _build(args: argparse.Namespace, _extra: list[str]) -> int:
-    return denoise.build_command(args.arch or denoise.default_archs())
+def _verify(_args: argparse.Namespace) -> int:
+    return commands.verify_command()
 
 
-Handler = Callable[[argparse.Namespace, list[str]], int]
+def _build(args: argparse.Namespace) -> int:
+    return commands.build_command(args.arch or commands.default_archs())
+
+
+Handler = Callable[[argparse.Namespace], int]
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -77,7 +86,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     parser.add_argument(
         "--debug",
         action="store_true",
-        help="show tracebacks instead of one-line errors (for kernel: before the command)",
+        help="show tracebacks instead of one-line errors",
     )
     # SUPPRESS: a subcommand's --debug must not reset one given before the subcommand.
     debug = argparse.ArgumentParser(add_help=False)
@@ -87,11 +96,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         default=argparse.SUPPRESS,
         help="show tracebacks instead of one-line errors",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,kernel,verify,build}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,step,kernel,verify,build}")
     subparsers: dict[str, argparse.ArgumentParser] = {}
 
     def add(name: str, handler: Handler, help_text: str, **kwargs: object) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text, **kwargs)
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=[debug], **kwargs)
         p.set_defaults(handler=handler)
         subparsers[name] = p
         return p
@@ -100,8 +109,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "bench",
         _bench,
         "denoise loop, eager vs fused on one model: step time, launches, kernel time by site, bit-exactness",
-        parents=[debug],
-        epilog="The --json fields are documented in flux2_fused.bench.denoise.",
+        epilog="The --json fields are documented in flux2_fused.bench.report.BenchReport.",
     )
     source = bench.add_mutually_exclusive_group()
     source.add_argument(
@@ -129,22 +137,30 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--plot", type=Path, metavar="FILE.png", help="draw step and kernel times (needs matplotlib)"
     )
 
-    # No options of its own and no help flag: everything after `kernel` goes to the kernel benchmark.
-    add(
-        "kernel",
-        _kernel,
-        "single-site kernel benchmark; arguments pass through (try: kernel --help)",
-        add_help=False,
+    step.add_arguments(
+        add(
+            "step",
+            _step,
+            "one denoise step at 1024x1024, eager vs fused, synchronized and pipelined (CUDA GPU)",
+            epilog="The --json fields are documented in flux2_fused.bench.report.StepResult.",
+        )
     )
-    add("verify", _verify, "bit-exactness self-check of the fused kernel on this GPU", parents=[debug])
-    build = add(
-        "build", _build, "compile the kernels (nvcc, no GPU needed) and print the libraries", parents=[debug]
+    kernel.add_arguments(
+        add(
+            "kernel",
+            _kernel,
+            "one fused site [B, T, D], eager vs fused kernel, plain and in CUDA graphs (CUDA GPU)",
+            epilog="The --json fields are documented in flux2_fused.bench.report.KernelReport.",
+        )
     )
+    add("verify", _verify, "bit-exactness self-check of the fused kernel on this GPU")
+    build = add("build", _build, "compile the kernels (nvcc, no GPU needed) and print the libraries")
     build.add_argument(
         "--arch",
-        action="append",
+        nargs="+",
+        action="extend",
         type=_arch,
-        help="CUDA architecture, repeatable, e.g. 9.0 10.0 (default: this GPU's, else 9.0 and 10.0)",
+        help="CUDA architectures, 8.0 or newer, e.g. --arch 9.0 10.0 (default: this GPU's, else 9.0 10.0)",
     )
     return parser, subparsers
 
@@ -155,7 +171,7 @@ def _one_line(exc: BaseException) -> str:
     more = f" (+{len(lines) - 1} more lines; --debug shows them)" if len(lines) > 1 else ""
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return f"out of GPU memory: {lines[0]}{more}; try a smaller --config, --height/--width or --batch"
-    if isinstance(exc, denoise.BenchError | WeightsError | jit.BuildError | OSError):
+    if isinstance(exc, commands.EXPECTED_ERRORS):
         return lines[0] + more
     return f"{type(exc).__name__}: {lines[0]}{more} (unexpected; --debug shows the traceback)"
 
@@ -164,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit status (the console script passes it to sys.exit)."""
     parser, subparsers = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "kernel":
+    if extra:  # reported by the subcommand's parser, so its usage line is the one shown
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.handler(args, extra)
+        return args.handler(args)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
@@ -175,4 +191,4 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
-        return getattr(exc, "exit_code", 1)
+        return commands.exit_code(exc)

@@ -1,6 +1,7 @@
 """Kernel benchmark: one FLUX.2 site (gated residual + LayerNorm + adaLN), eager vs fused.
 
-    python -m flux2_fused.bench.kernel [--shapes 6144x4608 3072x4096 ...] [--no-compile] [--json FILE]
+    flux2-fused kernel [--shapes 6144x4608 3072x4096 ...] [--no-compile] [--json FILE]
+    (also python -m flux2_fused.bench.kernel)
 
 For each (D, T): the eager chain, the eager chain replayed from a CUDA graph, torch.compile of the
 chain (not bit-exact; for reference), and the fused kernel, plain and in a CUDA graph. Medians in us,
@@ -13,14 +14,15 @@ over enough sets to exceed the L2 cache, so small shapes are not timed out of ca
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
 from ..ops import bits_equal
 from ..ops.gated_resnorm import gated_resnorm, gated_resnorm_decline_reason, gated_resnorm_reference
+from .report import KernelReport, KernelRow, check_output, format_kernel_table, write_json
 from .timing import copy_bandwidth_gbs, graphed, interleaved_median_us
 
 DEFAULT_SHAPES = [
@@ -35,23 +37,6 @@ DEFAULT_SHAPES = [
 ]
 L2_FLUSH_BYTES = 256 << 20
 GRAPH_REPEATS = 20
-
-
-@dataclass
-class Row:
-    dim: int
-    tokens: int
-    batch: int
-    eager_us: float
-    eager_graph_us: float
-    compile_us: float | None
-    fused_us: float
-    fused_graph_us: float
-    floor_us: float
-    pct_of_copy_bw: float
-    speedup_vs_eager: float
-    speedup_vs_graph: float
-    bit_exact: bool
 
 
 def _inputs(batch: int, tokens: int, dim: int, dtype: torch.dtype):
@@ -74,7 +59,9 @@ def _rotating(fn, sets):
     return call
 
 
-def bench_shape(dim: int, tokens: int, batch: int, dtype: torch.dtype, copy_gbs: float, compile_chain) -> Row:
+def bench_shape(
+    dim: int, tokens: int, batch: int, dtype: torch.dtype, copy_gbs: float, compile_chain
+) -> KernelRow:
     bytes_per_set = 4 * batch * tokens * dim * torch.finfo(dtype).bits // 8
     n_sets = max(1, min(16, -(-L2_FLUSH_BYTES // bytes_per_set)))
     sets = [_inputs(batch, tokens, dim, dtype) for _ in range(n_sets)]
@@ -96,7 +83,7 @@ def bench_shape(dim: int, tokens: int, batch: int, dtype: torch.dtype, copy_gbs:
     times[1] /= GRAPH_REPEATS
     times[3] /= GRAPH_REPEATS
     floor_us = 8 * batch * tokens * dim / (copy_gbs * 1e3) * (torch.finfo(dtype).bits / 16)
-    return Row(
+    return KernelRow(
         dim=dim,
         tokens=tokens,
         batch=batch,
@@ -113,62 +100,47 @@ def bench_shape(dim: int, tokens: int, batch: int, dtype: torch.dtype, copy_gbs:
     )
 
 
-def format_table(rows: list[Row], copy_gbs: float) -> str:
-    lines = [
-        f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
-        f"copy bandwidth {copy_gbs / 1e3:.2f} TB/s",
-        "| D | T | B | eager us | eager graph us | compile us | fused us | fused graph us | floor us "
-        "| % copy BW | x eager | x graph | exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        comp = f"{r.compile_us:.1f}" if r.compile_us is not None else "-"
-        lines.append(
-            f"| {r.dim} | {r.tokens} | {r.batch} | {r.eager_us:.1f} | {r.eager_graph_us:.1f} | {comp} "
-            f"| {r.fused_us:.1f} | {r.fused_graph_us:.1f} | {r.floor_us:.1f} | {r.pct_of_copy_bw:.1f} "
-            f"| {r.speedup_vs_eager:.2f} | {r.speedup_vs_graph:.2f} | {'yes' if r.bit_exact else 'NO'} |"
-        )
-    return "\n".join(lines)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="DxT items, e.g. 6144x4608")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The kernel benchmark's options (the `flux2-fused kernel` subcommand's)."""
+    parser.add_argument(
+        "--shapes", nargs="*", default=DEFAULT_SHAPES, metavar="DxT", help="DxT items, e.g. 6144x4608"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=1, metavar="B", help="batch size B of [B, T, D] (default 1)"
+    )
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="element type (default bf16)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the chain")
-    parser.add_argument("--json", help="write the rows to this JSON file")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("flux2-fused kernel benchmark: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the rows to FILE")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Benchmark every shape on the current CUDA GPU and print the table; 1 when a shape's fused
+    outputs differ from eager's."""
+    check_output("--json", args.json)
     compile_chain = None if args.no_compile else torch.compile(gated_resnorm_reference, dynamic=False)
     copy_gbs = copy_bandwidth_gbs()
     rows = []
     for item in args.shapes:
         dim, tokens = (int(v) for v in item.lower().split("x"))
-        rows.append(bench_shape(dim, tokens, args.batch, dtype, copy_gbs, compile_chain))
+        rows.append(bench_shape(dim, tokens, args.batch, DTYPES[args.dtype], copy_gbs, compile_chain))
         print(
             f"D={dim} T={tokens}: fused {rows[-1].fused_graph_us:.1f} us in a graph "
             f"({rows[-1].pct_of_copy_bw:.0f}% of copy BW)",
             file=sys.stderr,
         )
-    print(format_table(rows, copy_gbs))
+    report = KernelReport(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_gbs=copy_gbs, rows=rows
+    )
+    print(format_kernel_table(report))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(
-                {
-                    "copy_gbs": copy_gbs,
-                    "gpu": torch.cuda.get_device_name(),
-                    "torch": torch.__version__,
-                    "rows": [asdict(r) for r in rows],
-                },
-                fh,
-                indent=2,
-            )
+        write_json(asdict(report), args.json)
     return 0 if all(r.bit_exact for r in rows) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..cli import main
+
+    sys.exit(main(["kernel", *sys.argv[1:]]))

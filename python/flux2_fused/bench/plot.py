@@ -10,15 +10,18 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from .denoise import MODES, SITES, BenchError, BenchReport
+from ..errors import CommandError
+from .report import MODES, SITES, BenchReport, speedup_text
 
 COLORS = {"eager": "tab:gray", "fused": "tab:blue"}
 
 
 def require_matplotlib() -> None:
-    """Raise BenchError (before a run, not after it) when the plot could not be drawn."""
+    """Raise CommandError (before a run, not after it) when the plot could not be drawn."""
     if importlib.util.find_spec("matplotlib") is None:
-        raise BenchError("--plot needs matplotlib, which is not installed (pip install 'flux2-fused[plot]')")
+        raise CommandError(
+            "--plot needs matplotlib, which is not installed (pip install 'flux2-fused[plot]')"
+        )
 
 
 def save_plot(report: BenchReport, path: Path) -> None:
@@ -49,6 +52,6 @@ def save_plot(report: BenchReport, path: Path) -> None:
     exact = "bit-exact" if report.bit_exact else "NOT bit-exact"
     fig.suptitle(
         f"{report.config} {report.dtype}, {report.height}x{report.width}, batch {report.batch} on "
-        f"{report.gpu or 'CPU'}: fused {report.speedup_pct:+.1f}%, {exact}"
+        f"{report.gpu or 'CPU'}: fused {speedup_text(report.speedup_pct)}, {exact}"
     )
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")  # the format the name was checked to end in

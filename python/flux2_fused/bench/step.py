@@ -1,6 +1,7 @@
 """Whole-transformer benchmark: one denoise step (one forward) at 1024x1024, eager vs fused.
 
-    python -m flux2_fused.bench.step [--configs dev klein-4b] [--steps N] [--compile] [--json FILE]
+    flux2-fused step [--configs dev klein-4b] [--steps N] [--compile] [--json FILE]
+    (also python -m flux2_fused.bench.step)
 
 Random weights built on the GPU; the same model runs with `fused = False` and `fused = True` on the
 same inputs, interleaved step by step, after a warm-up step of each (the fused one self-checks).
@@ -29,16 +30,16 @@ import argparse
 import functools
 import gc
 import hashlib
-import json
-import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
+from .report import StepResult, Timing, check_output, format_step_table, write_json
 from .timing import event_ms
 
 FUSED_KERNEL = "gated_resnorm_kernel"
@@ -74,32 +75,6 @@ def step_inputs(
     }
 
 
-@dataclass
-class Timing:
-    """Interleaved step times of the two modes: medians and the paired (same position) difference."""
-
-    eager_ms: float
-    fused_ms: float
-    speedup_pct: float
-    paired_diff_ms: float  # mean over pairs of (eager - fused)
-    paired_ci95_ms: float  # half-width of its 95% confidence interval
-    fused_won: int  # pairs where the fused step was faster
-
-    @classmethod
-    def of(cls, times: dict[bool, list[float]]) -> Timing:
-        eager_ms, fused_ms = statistics.median(times[False]), statistics.median(times[True])
-        diffs = [e - f for e, f in zip(times[False], times[True], strict=True)]
-        ci95 = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
-        return cls(
-            eager_ms=eager_ms,
-            fused_ms=fused_ms,
-            speedup_pct=100 * (eager_ms / fused_ms - 1),
-            paired_diff_ms=statistics.mean(diffs),
-            paired_ci95_ms=ci95,
-            fused_won=sum(d > 0 for d in diffs),
-        )
-
-
 def _pair_order(pairs: int) -> list[bool]:
     """The modes in run order: (eager, fused), then (fused, eager), ..., so drift hits both alike."""
     return [mode for i in range(pairs) for mode in ((False, True) if i % 2 == 0 else (True, False))]
@@ -130,24 +105,6 @@ def time_pipelined(run: Callable[[bool], object], pairs: int) -> dict[bool, list
     for mode, start, end in zip(order, marks, marks[1:], strict=False):
         times[mode].append(start.elapsed_time(end))
     return times
-
-
-@dataclass
-class StepResult:
-    config: str
-    batch: int
-    steps: int  # pairs of steps in each timing
-    img_tokens: int
-    txt_tokens: int
-    synchronized: Timing
-    pipelined: Timing
-    eager_kernels: int
-    fused_kernels: int
-    fused_kernel_launches: int
-    eager_sha256: str
-    fused_sha256: str
-    bit_exact: bool
-    compiled: bool = False
 
 
 def bench_config(
@@ -186,46 +143,30 @@ def bench_config(
     )
 
 
-def format_table(results: list[StepResult]) -> str:
-    lines = [
-        f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16, random weights"
-        + (
-            "  torch.compile(model): bit-exact column compares two compiled graphs"
-            if results[0].compiled
-            else ""
-        ),
-        "| config | B | tokens (img+txt) | timing | eager ms | fused ms | speedup | paired gain ms (95% CI) "
-        "| fused won | kernels/step eager -> fused | fused launches | bit-exact | SHA-256 (both) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        sha = r.fused_sha256[:16] if r.bit_exact else f"{r.eager_sha256[:12]} / {r.fused_sha256[:12]}"
-        for label, t in (("synchronized", r.synchronized), ("pipelined", r.pipelined)):
-            gain = f"{t.paired_diff_ms:+.2f} +- {t.paired_ci95_ms:.2f}"
-            lines.append(
-                f"| {r.config} | {r.batch} | {r.img_tokens}+{r.txt_tokens} | {label} | {t.eager_ms:.2f} "
-                f"| {t.fused_ms:.2f} | {t.speedup_pct:+.1f}% | {gain} | {t.fused_won}/{r.steps} "
-                f"| {r.eager_kernels} -> {r.fused_kernels} | {r.fused_kernel_launches} "
-                f"| {'yes' if r.bit_exact else 'NO'} | {sha} |"
-            )
-    return "\n".join(lines)
+PRESETS = ("dev", "klein-4b", "klein-9b")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The step benchmark's options (the `flux2-fused step` subcommand's)."""
     parser.add_argument(
-        "--configs", nargs="*", default=["dev", "klein-4b"], choices=["dev", "klein-4b", "klein-9b"]
+        "--configs", nargs="*", default=["dev", "klein-4b"], choices=PRESETS, help="default: dev klein-4b"
     )
-    parser.add_argument("--steps", type=int, help="timed steps per mode (default 7, with --compile 100)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--img-tokens", type=int, default=4096, help="4096 = 1024x1024")
-    parser.add_argument("--txt-tokens", type=int, default=512)
+    parser.add_argument(
+        "--steps", type=int, metavar="N", help="timed steps per mode (default 7, with --compile 100)"
+    )
+    parser.add_argument("--batch", type=int, default=1, metavar="N", help="batch size (default 1)")
+    parser.add_argument(
+        "--img-tokens", type=int, default=4096, metavar="N", help="image tokens (default 4096 = 1024x1024)"
+    )
+    parser.add_argument("--txt-tokens", type=int, default=512, metavar="N", help="text tokens (default 512)")
     parser.add_argument("--compile", action="store_true", help="both modes under torch.compile(model)")
-    parser.add_argument("--json", help="write the results to this JSON file")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("flux2-fused step benchmark: needs a CUDA GPU", file=sys.stderr)
-        return 2
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the results to FILE")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Benchmark every config on the current CUDA GPU and print the table; 1 when a fused step's
+    output differs from eager's (not checked under --compile, where neither mode is bit-exact)."""
+    check_output("--json", args.json)
     results = []
     steps = args.steps or (100 if args.compile else 7)
     for name in args.configs:
@@ -234,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         gc.collect()  # drop the previous model (dev is 64 GB) before building the next
         torch.cuda.empty_cache()
-    print(format_table(results))
+    print(format_step_table(results, torch.cuda.get_device_name(), torch.__version__))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump([asdict(r) for r in results], fh, indent=2)
+        write_json([asdict(r) for r in results], args.json)
     return 0 if args.compile or all(r.bit_exact for r in results) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..cli import main
+
+    sys.exit(main(["step", *sys.argv[1:]]))

@@ -45,7 +45,8 @@ def launch(
 
 def _eager_shape(stream: torch.Tensor, *modulation: torch.Tensor) -> torch.Size:
     """The shape eager broadcasting gives `stream` op'd with accepted modulation rows: a [T, D] stream
-    with a [1, 1, D] row becomes [1, T, D]. (torch.broadcast_shapes costs more host time than the launch itself.)"""
+    with a [1, 1, D] row becomes [1, T, D]. (torch.broadcast_shapes costs more host time than the
+    launch itself.)"""
     if stream.dim() == 2 and any(t.dim() == 3 for t in modulation):
         return torch.Size((1, *stream.shape))
     return stream.shape

@@ -1,0 +1,445 @@
+"""What the benchmarks and `verify` report: the result types (their fields are the JSON fields, each
+documented on its class), the text formatters, and where the files go.
+
+No torch here: the plot and the formatters need only the figures, so drawing or printing a report
+never imports a model, and the benchmark modules and the plot share these types without importing
+each other.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BadValue
+
+MODES = ("eager", "fused")
+SITES = ("fused", "norm", "elementwise", "other")
+INACTIVE = "n/a (fast path inactive)"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table, so every table can be pasted into the README as printed."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def speedup_text(pct: float | None) -> str:
+    """A speedup for people: signed percent, or why there is none."""
+    return INACTIVE if pct is None else f"{pct:+.1f}%"
+
+
+# --------------------------------------------------------------------------- output files
+
+
+def check_output(option: str, path: Path | None, suffix: str | None = None) -> None:
+    """Raise BadValue before a run, not after minutes of it, when `path` could not be written (or,
+    with `suffix`, would be written in another format than its name says)."""
+    if path is None:
+        return
+    if suffix is not None and path.suffix.lower() != suffix:
+        raise BadValue(f"{option} {path}: the file name must end in {suffix} (the format written)")
+    if path.is_dir():
+        raise BadValue(f"{option} {path} is a folder; give a file name")
+    folder = path.parent
+    if not folder.is_dir():
+        raise BadValue(f"{option} {path}: folder {folder} does not exist")
+    # A probe rather than os.access, which says yes to root on a read-only mount and ignores ACLs.
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".flux2-fused-probe-"):
+            pass
+    except OSError as err:
+        raise BadValue(f"{option} {path}: cannot write in folder {folder} ({err.strerror or err})") from err
+
+
+def write_json(data: object, path: Path) -> None:
+    """`data` (dataclasses already turned into dicts) as indented JSON."""
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- flux2-fused bench
+
+
+@dataclass
+class ModeResult:
+    """One mode of `flux2-fused bench` (the JSON's `eager` and `fused` objects); times in ms.
+
+    - step_ms: time of each timed step, in order
+    - median_ms: median of step_ms
+    - warmup_s: the untimed warm-up step in s (fused: includes the kernel build or load and self-check)
+    - launches_per_step: CUDA kernels (on the CPU: aten ops, nested ones included) in the profiled step
+    - site_ms: kernel time (CPU: op self time) of the profiled step by site: fused, norm, elementwise, other
+    - site_launches: launches of the profiled step by the same sites
+    - sha256: SHA-256 of the final latents' bytes
+    """
+
+    step_ms: list[float]
+    median_ms: float
+    warmup_s: float
+    launches_per_step: int
+    site_ms: dict[str, float]
+    site_launches: dict[str, int]
+    sha256: str
+
+
+@dataclass
+class BenchReport:
+    """Every figure of `flux2-fused bench`: the summary's and the JSON's (`--json FILE`; times in ms
+    unless the name says s).
+
+    - flux2_fused: package version
+    - torch: torch version
+    - device: the torch device the run used ("cuda:0", "cpu")
+    - gpu: GPU name, null on the CPU
+    - compute_capability: "major.minor", null on the CPU
+    - config: preset name (dev, klein-4b, klein-9b, tiny), or "custom" for weights matching none
+    - weights: the weights folder, null for random weights
+    - inner_dim: D, the width of the residual streams
+    - double_blocks: number of double-stream blocks
+    - single_blocks: number of single-stream blocks
+    - params: parameter count
+    - dtype: bf16, fp16 or fp32
+    - height: image height in pixels
+    - width: image width in pixels
+    - batch: batch size
+    - image_tokens: image tokens a sample, (height / 16) * (width / 16)
+    - text_tokens: text tokens a sample
+    - steps: timed denoise steps a mode
+    - seed: seed of the weights, latents and text embeddings
+    - guidance: the guidance value given to the model, null when the config has no guidance embedder
+    - schedule: the sigma schedule and update rule, in words
+    - launch_unit: what launches_per_step counts ("cuda kernels" or "aten ops")
+    - eager: the eager mode's results (ModeResult)
+    - fused: the fused mode's results (ModeResult)
+    - speedup_pct: 100 * (eager median / fused median - 1), positive when fused is faster; null when
+      the fast path was not active (both modes then ran the same eager code, and their difference is noise)
+    - bit_exact: the final latents of both modes are identical (torch.equal and equal SHA-256)
+    - fused_active: the fused kernel really ran in the fused mode (self-check passed, launches seen)
+    - fused_status: why the fused path was or was not active, in words
+    - self_checks: the kernel self-check verdicts of this process: op, device, config (e.g. "D=3072
+      bfloat16"), passed, detail, seconds
+    - notes: the notes printed before the run (machine-dependent choices, fallbacks, estimates)
+    - build_s: seconds to build or load the model
+    - total_s: seconds for the whole run
+    """
+
+    flux2_fused: str
+    torch: str
+    device: str
+    gpu: str | None
+    compute_capability: str | None
+    config: str
+    weights: str | None
+    inner_dim: int
+    double_blocks: int
+    single_blocks: int
+    params: int
+    dtype: str
+    height: int
+    width: int
+    batch: int
+    image_tokens: int
+    text_tokens: int
+    steps: int
+    seed: int
+    guidance: float | None
+    schedule: str
+    launch_unit: str
+    eager: ModeResult
+    fused: ModeResult
+    speedup_pct: float | None
+    bit_exact: bool
+    fused_active: bool
+    fused_status: str
+    self_checks: list[dict]
+    notes: list[str]
+    build_s: float
+    total_s: float
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
+def format_summary(r: BenchReport) -> str:
+    """The human-readable report: setup, the per-mode table, the fused-path status and the verdict."""
+    source = r.weights or f"random weights, seed {r.seed}"
+    device = f"{r.gpu} (sm {r.compute_capability})" if r.gpu else "CPU"
+    guidance = f"guidance {r.guidance}" if r.guidance is not None else "no guidance embedder"
+    rows = []
+    for mode in MODES:
+        m: ModeResult = getattr(r, mode)
+        speedup = "-" if mode == "eager" else speedup_text(r.speedup_pct)
+        sites = [f"{m.site_ms[site]:.2f}" for site in SITES]
+        rows.append([mode, f"{m.median_ms:.2f}", speedup, m.launches_per_step, *sites, f"{m.warmup_s:.2f}"])
+    headers = ["mode", "median ms/step", "speedup", f"{r.launch_unit}/step"]
+    headers += [f"{site} ms" for site in SITES] + ["warm-up s"]
+    return "\n".join(
+        [
+            f"flux2-fused bench: {r.config} (D={r.inner_dim}, {r.double_blocks} double + {r.single_blocks} "
+            f"single blocks, {_count(r.params)} params, {source}), {r.dtype}",
+            f"{r.height}x{r.width} px = {r.image_tokens} image + {r.text_tokens} text tokens, "
+            f"batch {r.batch}, {guidance}; {r.schedule}",
+            f"device: {device}, torch {r.torch}, flux2-fused {r.flux2_fused}",
+            f"fused path: {'active' if r.fused_active else 'NOT active'}: {r.fused_status}",
+            "",
+            markdown_table(headers, rows),
+            f"(site ms: {'kernel time' if r.gpu else 'aten op self time'} of one profiled step)",
+            "",
+            f"bit-exact: {_yes(r.bit_exact)} (final latents of both modes, torch.equal and SHA-256)",
+            f"  sha256 eager {r.eager.sha256}",
+            f"  sha256 fused {r.fused.sha256}",
+        ]
+    )
+
+
+# --------------------------------------------------------------------------- flux2-fused step
+
+
+@dataclass
+class Timing:
+    """Interleaved step times of the two modes: medians and the paired (same position) difference.
+
+    - eager_ms: median eager step time
+    - fused_ms: median fused step time
+    - speedup_pct: 100 * (eager_ms / fused_ms - 1), positive when fused is faster
+    - paired_diff_ms: mean over pairs of (eager - fused)
+    - paired_ci95_ms: half-width of the 95% confidence interval of paired_diff_ms (NaN for one pair)
+    - fused_won: pairs where the fused step was faster
+    """
+
+    eager_ms: float
+    fused_ms: float
+    speedup_pct: float
+    paired_diff_ms: float
+    paired_ci95_ms: float
+    fused_won: int
+
+    @classmethod
+    def of(cls, times: dict[bool, list[float]]) -> Timing:
+        """From the step times by mode (False: eager, True: fused), paired by position."""
+        eager_ms, fused_ms = statistics.median(times[False]), statistics.median(times[True])
+        diffs = [e - f for e, f in zip(times[False], times[True], strict=True)]
+        ci95 = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+        return cls(
+            eager_ms=eager_ms,
+            fused_ms=fused_ms,
+            speedup_pct=100 * (eager_ms / fused_ms - 1),
+            paired_diff_ms=statistics.mean(diffs),
+            paired_ci95_ms=ci95,
+            fused_won=sum(d > 0 for d in diffs),
+        )
+
+
+@dataclass
+class StepResult:
+    """One config of `flux2-fused step` (its JSON is a list of these).
+
+    - config: preset name
+    - batch: batch size
+    - steps: pairs of steps in each timing
+    - img_tokens: image tokens a sample
+    - txt_tokens: text tokens a sample
+    - synchronized: Timing of steps each started on an idle GPU and waited for
+    - pipelined: Timing of steps enqueued back to back, as a denoise loop runs them
+    - eager_kernels: CUDA kernels an eager step launches
+    - fused_kernels: CUDA kernels a fused step launches
+    - fused_kernel_launches: of those, launches of the fused kernel
+    - eager_sha256: SHA-256 of the eager step's output
+    - fused_sha256: SHA-256 of the fused step's output
+    - bit_exact: the two outputs are torch.equal
+    - compiled: both modes ran under torch.compile(model)
+    """
+
+    config: str
+    batch: int
+    steps: int
+    img_tokens: int
+    txt_tokens: int
+    synchronized: Timing
+    pipelined: Timing
+    eager_kernels: int
+    fused_kernels: int
+    fused_kernel_launches: int
+    eager_sha256: str
+    fused_sha256: str
+    bit_exact: bool
+    compiled: bool = False
+
+
+def format_step_table(results: Sequence[StepResult], device: str, torch_version: str) -> str:
+    """The step benchmark's table, two rows (synchronized, pipelined) a config."""
+    compiled = "  torch.compile(model): bit-exact column compares two compiled graphs"
+    title = f"GPU: {device}  torch {torch_version}  bf16, random weights" + (
+        compiled if results and results[0].compiled else ""
+    )
+    headers = [
+        "config",
+        "B",
+        "tokens (img+txt)",
+        "timing",
+        "eager ms",
+        "fused ms",
+        "speedup",
+        "paired gain ms (95% CI)",
+        "fused won",
+        "kernels/step eager -> fused",
+        "fused launches",
+        "bit-exact",
+        "SHA-256 (both)",
+    ]
+    rows = []
+    for r in results:
+        sha = r.fused_sha256[:16] if r.bit_exact else f"{r.eager_sha256[:12]} / {r.fused_sha256[:12]}"
+        for label, t in (("synchronized", r.synchronized), ("pipelined", r.pipelined)):
+            rows.append(
+                [
+                    r.config,
+                    r.batch,
+                    f"{r.img_tokens}+{r.txt_tokens}",
+                    label,
+                    f"{t.eager_ms:.2f}",
+                    f"{t.fused_ms:.2f}",
+                    speedup_text(t.speedup_pct),
+                    f"{t.paired_diff_ms:+.2f} +- {t.paired_ci95_ms:.2f}",
+                    f"{t.fused_won}/{r.steps}",
+                    f"{r.eager_kernels} -> {r.fused_kernels}",
+                    r.fused_kernel_launches,
+                    _yes(r.bit_exact),
+                    sha,
+                ]
+            )
+    return f"{title}\n{markdown_table(headers, rows)}"
+
+
+# --------------------------------------------------------------------------- flux2-fused kernel
+
+
+@dataclass
+class KernelRow:
+    """One [B, T, D] site of `flux2-fused kernel`; times in us, medians.
+
+    - dim: D, the hidden size
+    - tokens: T, tokens a sample
+    - batch: B
+    - eager_us: the eager chain, plain calls
+    - eager_graph_us: the eager chain per call in a CUDA graph
+    - compile_us: torch.compile of the chain (not bit-exact), null with --no-compile
+    - fused_us: the fused kernel, plain calls
+    - fused_graph_us: the fused kernel per call in a CUDA graph
+    - floor_us: the copy-bandwidth floor, 8 bytes an element (bf16) at the measured copy bandwidth
+    - pct_of_copy_bw: 100 * floor_us / fused_graph_us
+    - speedup_vs_eager: eager_us / fused_us
+    - speedup_vs_graph: eager_graph_us / fused_graph_us
+    - bit_exact: the fused outputs equal the eager chain's bit for bit
+    """
+
+    dim: int
+    tokens: int
+    batch: int
+    eager_us: float
+    eager_graph_us: float
+    compile_us: float | None
+    fused_us: float
+    fused_graph_us: float
+    floor_us: float
+    pct_of_copy_bw: float
+    speedup_vs_eager: float
+    speedup_vs_graph: float
+    bit_exact: bool
+
+
+@dataclass
+class KernelReport:
+    """The JSON of `flux2-fused kernel --json FILE`.
+
+    - gpu: GPU name
+    - torch: torch version
+    - copy_gbs: device-to-device copy bandwidth measured in the same run, GB/s (read + written)
+    - rows: one KernelRow a shape
+    """
+
+    gpu: str
+    torch: str
+    copy_gbs: float
+    rows: list[KernelRow]
+
+
+def format_kernel_table(report: KernelReport) -> str:
+    """The kernel benchmark's table, one row a shape."""
+    headers = [
+        "D",
+        "T",
+        "B",
+        "eager us",
+        "eager graph us",
+        "compile us",
+        "fused us",
+        "fused graph us",
+        "floor us",
+        "% copy BW",
+        "x eager",
+        "x graph",
+        "exact",
+    ]
+    rows = [
+        [
+            r.dim,
+            r.tokens,
+            r.batch,
+            f"{r.eager_us:.1f}",
+            f"{r.eager_graph_us:.1f}",
+            f"{r.compile_us:.1f}" if r.compile_us is not None else "-",
+            f"{r.fused_us:.1f}",
+            f"{r.fused_graph_us:.1f}",
+            f"{r.floor_us:.1f}",
+            f"{r.pct_of_copy_bw:.1f}",
+            f"{r.speedup_vs_eager:.2f}",
+            f"{r.speedup_vs_graph:.2f}",
+            _yes(r.bit_exact),
+        ]
+        for r in report.rows
+    ]
+    title = f"GPU: {report.gpu}  torch {report.torch}  copy bandwidth {report.copy_gbs / 1e3:.2f} TB/s"
+    return f"{title}\n{markdown_table(headers, rows)}"
+
+
+# --------------------------------------------------------------------------- flux2-fused verify
+
+
+@dataclass
+class VerifyRow:
+    """One self-check of `flux2-fused verify` (printed, not written as JSON).
+
+    - op: the fused operation checked
+    - config: the configuration checked, e.g. "D=3072 bf16"
+    - passed: the kernel's outputs equal live eager bit for bit
+    - detail: what was compared, or why it failed
+    - seconds: wall time of the check
+    """
+
+    op: str
+    config: str
+    passed: bool
+    detail: str
+    seconds: float
+
+
+def format_verify(rows: Sequence[VerifyRow], device: str, torch_version: str) -> str:
+    """The verify table and its verdict."""
+    table = markdown_table(
+        ["op", "config", "passed", "detail", "seconds"],
+        [[r.op, r.config, _yes(r.passed), r.detail, f"{r.seconds:.3f}"] for r in rows],
+    )
+    failed = sum(not r.passed for r in rows)
+    verdict = "all bit-exact" if not failed else f"{failed} of {len(rows)} FAILED"
+    return f"flux2-fused verify on {device}, torch {torch_version}\n{table}\n{verdict}"
