@@ -8,14 +8,17 @@
 The patch builds a `Flux2Transformer` on the meta device and points its parameters at the diffusers
 model's own tensors (no copy, no extra memory), then routes `forward` through it. Our model runs
 diffusers' eager ops in diffusers' order, so the output is bit-identical; on the GPU the residual
-sites go through the fused kernel where it is proven exact. Calls the patch does not cover (KV-cache
-modes, joint_attention_kwargs, hooks on the diffusers submodules, gradient checkpointing while
-training) go to diffusers' original forward unchanged.
+sites go through the fused kernel where it is proven exact. Every call first checks that this still
+holds: the same parameters in the same storage as at `enable()` (an adapter, a replaced weight, a
+dtype or device move breaks that) and diffusers' default attention processor on the native backend.
+Calls it cannot vouch for (those, KV-cache modes, joint_attention_kwargs, hooks on the diffusers
+submodules, gradient checkpointing while training) go to diffusers' own forward unchanged.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,10 +46,12 @@ def _check_version() -> str:
 
 @dataclass
 class FusedHandle:
-    """What `enable` returns: the shadow model it routes through, and `disable()` to undo the patch."""
+    """What `enable` returns: the model it routes through, the weights that model mirrors, and
+    `disable()` to undo the patch."""
 
     transformer: torch.nn.Module
-    model: Flux2Transformer
+    model: Flux2Transformer | None  # None: the module's layout was not FLUX.2's plain one at enable()
+    weights: list[tuple[str, int, torch.dtype, torch.device, torch.Size]]
 
     def disable(self) -> None:
         """Restore diffusers' own forward."""
@@ -57,6 +62,90 @@ class FusedHandle:
 
 def _has_submodule_hooks(module: torch.nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules() if m is not module)
+
+
+def _weights(module: torch.nn.Module) -> list[tuple[str, int, torch.dtype, torch.device, torch.Size]]:
+    """Every parameter's name and storage: what the routed model must still share to compute what
+    diffusers' modules compute."""
+    return [(name, p.data_ptr(), p.dtype, p.device, p.shape) for name, p in module.named_parameters()]
+
+
+def _default_attention(transformer: torch.nn.Module) -> bool:
+    """Every block runs diffusers' default FLUX.2 processor on the native (SDPA) backend, which is
+    what the routed model's attention computes."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2AttnProcessor,
+        Flux2ParallelSelfAttnProcessor,
+    )
+
+    native = AttentionBackendName.NATIVE
+    blocks = [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+    for block in blocks:
+        processor = block.attn.processor
+        if type(processor) not in (Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor):
+            return False
+        backend = processor._attention_backend or _AttentionBackendRegistry._active_backend
+        if AttentionBackendName(backend) != native:
+            return False
+    return True
+
+
+def _mirrors(transformer: torch.nn.Module, handle: FusedHandle) -> bool:
+    """Whether the routed model still computes exactly what diffusers' forward would: the same
+    parameters in the same storage (no adapter, replaced weight, dtype or device move since
+    `enable()`) and the default attention. Never raises: anything unexpected means no."""
+    try:
+        if handle.model is None or _weights(transformer) != handle.weights:
+            return False
+        return _default_attention(transformer)
+    except Exception:
+        return False
+
+
+def _patched_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor = None,
+    timestep: torch.Tensor = None,
+    img_ids: torch.Tensor = None,
+    txt_ids: torch.Tensor = None,
+    guidance: torch.Tensor = None,
+    joint_attention_kwargs: dict | None = None,
+    return_dict: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """The fused model where it provably computes diffusers' forward, else diffusers' forward.
+
+    Bound to the transformer as a method, so a `copy.deepcopy` of the module binds the copy (whose
+    weights live elsewhere, so it takes diffusers' forward)."""
+    handle: FusedHandle = self._flux2_fused_handle
+    supported = not (
+        joint_attention_kwargs
+        or any(v not in (None, 0, 0.0) for v in kwargs.values())
+        or _has_submodule_hooks(self)
+        or (torch.is_grad_enabled() and getattr(self, "gradient_checkpointing", False))
+        or not _mirrors(self, handle)
+    )
+    if not supported:
+        return type(self).forward(
+            self,
+            hidden_states,
+            encoder_hidden_states,
+            timestep,
+            img_ids,
+            txt_ids,
+            guidance,
+            joint_attention_kwargs=joint_attention_kwargs,
+            return_dict=return_dict,
+            **kwargs,
+        )
+    sample = handle.model(hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance)
+    if not return_dict:
+        return (sample,)
+    from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
+
+    return Flux2Transformer2DModelOutput(sample=sample)
 
 
 def enable(transformer: torch.nn.Module, fused: bool = True) -> FusedHandle:
@@ -72,46 +161,14 @@ def enable(transformer: torch.nn.Module, fused: bool = True) -> FusedHandle:
     config = Flux2Config.from_diffusers(dict(transformer.config))
     with torch.device("meta"):
         model = Flux2Transformer(config, fused=fused)
-    model.load_state_dict(transformer.state_dict(), strict=True, assign=True)
-    original = transformer.forward
-
-    def forward(
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor = None,
-        timestep: torch.Tensor = None,
-        img_ids: torch.Tensor = None,
-        txt_ids: torch.Tensor = None,
-        guidance: torch.Tensor = None,
-        joint_attention_kwargs: dict | None = None,
-        return_dict: bool = True,
-        **kwargs: Any,
-    ) -> Any:
-        unsupported = (
-            joint_attention_kwargs
-            or any(v not in (None, 0, 0.0) for v in kwargs.values())
-            or _has_submodule_hooks(transformer)
-            or (torch.is_grad_enabled() and getattr(transformer, "gradient_checkpointing", False))
-        )
-        if unsupported:
-            return original(
-                hidden_states,
-                encoder_hidden_states,
-                timestep,
-                img_ids,
-                txt_ids,
-                guidance,
-                joint_attention_kwargs=joint_attention_kwargs,
-                return_dict=return_dict,
-                **kwargs,
-            )
-        sample = model(hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance)
-        if not return_dict:
-            return (sample,)
-        from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
-
-        return Flux2Transformer2DModelOutput(sample=sample)
-
-    transformer.forward = forward
-    handle = FusedHandle(transformer, model)
+    state = transformer.state_dict()
+    if set(state) != set(model.state_dict()):
+        # Adapters or other wrappers already change the module layout: this model cannot mirror it,
+        # so every call takes diffusers' forward.
+        model = None
+    else:
+        model.load_state_dict(state, strict=True, assign=True)
+    handle = FusedHandle(transformer, model, _weights(transformer) if model is not None else [])
     transformer._flux2_fused_handle = handle
+    transformer.forward = types.MethodType(_patched_forward, transformer)
     return handle

@@ -1,4 +1,4 @@
-"""GPU tests: the fused kernel equals eager bit for bit (run on the device machine)."""
+"""GPU tests: the fused kernel equals eager bit for bit (run with `pytest -m gpu` on a CUDA machine)."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ def test_eps_reaches_the_layer_norm(dtype: torch.dtype) -> None:
 
 @DTYPES
 def test_gated_add_is_two_roundings_not_addcmul(dtype: torch.dtype) -> None:
-    """NUMERICS.md: `residual + gate * update` rounds the product, then the sum; addcmul rounds once.
+    """docs/numerics.md: `residual + gate * update` rounds the product, then the sum; addcmul rounds once.
 
     A reference rewritten with addcmul would look equivalent and differ in many elements.
     """
