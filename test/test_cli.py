@@ -34,7 +34,7 @@ from flux2_fused.bench.report import (
 from flux2_fused.cli import build_parser, main
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 from flux2_fused.models.weights import WeightsError
-from flux2_fused.ops import jit
+from flux2_fused.ops import OPS, jit
 
 PYTHON_DIR = Path(__file__).resolve().parents[1] / "python"
 # For `python -m ...` in a subprocess: this tree's package, installed or not.
@@ -510,14 +510,16 @@ def built_sm90() -> tuple[int, str, str]:
 def test_build_without_gpu(built_sm90: tuple[int, str, str]) -> None:
     code, out, err = built_sm90
     assert code == 0, err
-    target, path = out.strip().split(": ", 1)
-    assert target == "9.0 gated_resnorm" and path.endswith(".so") and Path(path).is_file()
-    done = re.search(
-        r"^flux2-fused: gated_resnorm for sm 9\.0: (cached|built in \d+\.\d s)$", err, re.MULTILINE
-    )
-    assert done, err
-    # "building" is said before a compile and only then
-    assert ("building the gated_resnorm kernel for sm 9.0" in err) == (done.group(1) != "cached")
+    built = dict(line.split(": ", 1) for line in out.strip().splitlines())
+    assert list(built) == [f"9.0 {op.name}" for op in OPS]
+    for op in OPS:
+        assert built[f"9.0 {op.name}"].endswith(".so") and Path(built[f"9.0 {op.name}"]).is_file()
+        done = re.search(
+            rf"^flux2-fused: {op.name} for sm 9\.0: (cached|built in \d+\.\d s)$", err, re.MULTILINE
+        )
+        assert done, err
+        # "building" is said before a compile and only then
+        assert (f"building the {op.name} kernel for sm 9.0" in err) == (done.group(1) != "cached")
 
 
 @pytest.mark.parametrize("text", ["7.0", "7.5", "sm_75", "61"])
@@ -549,10 +551,11 @@ def test_build_takes_several_architectures(
     monkeypatch.setattr(jit, "build", fake_build)
     code, out, err = run_cli(["build", *args])
     assert code == 0, err
+    archs = ("8.0", "9.0a", "10.0", "12.0")
     assert [line.split(": ")[0] for line in out.splitlines()] == [
-        f"{arch} gated_resnorm" for arch in ("8.0", "9.0a", "10.0", "12.0")
+        f"{a} {op.name}" for a in archs for op in OPS
     ]
-    assert built == ["8.0", "9.0a", "10.0", "12.0"]
+    assert built == [arch for arch in archs for _ in OPS]
     assert (
         "gated_resnorm for sm 8.0: cached" in err
         and "building the gated_resnorm kernel for sm 8.0" not in err

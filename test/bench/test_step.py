@@ -46,9 +46,11 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
         _table_widths(table) == {14}
         and "| klein-4b | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% |" in table
     )
-    row = KernelRow(3072, 4096, 1, 184.0, 135.1, None, 80.0, 28.3, 23.8, 84.1, 2.3, 4.77, True)
+    row = KernelRow(
+        "gated_resnorm", 3072, 4096, 1, 184.0, 135.1, None, 80.0, 28.3, 23.8, 84.1, 2.3, 4.77, True
+    )
     table = format_kernel_table(KernelReport("NVIDIA H200", "2.11.0", 4230.0, [row]))
-    assert _table_widths(table) == {14} and "| 3072 | 4096 | 1 | 184.0 | 135.1 | - |" in table
+    assert _table_widths(table) == {15} and "| gated_resnorm | 3072 | 4096 | 1 | 184.0 | 135.1 | - |" in table
     table = format_verify(
         [VerifyRow("gated_resnorm", "D=3072 bf16", False, "bit 3 differs", 0.1)], "H200", "2.11"
     )

@@ -1,4 +1,4 @@
-"""torch.compile of the model: one graph (fullgraph), every residual/norm site a flux2_fused custom op.
+"""torch.compile of the model: one graph (fullgraph), every fusable site a flux2_fused operator.
 
 The graph is run by a recording backend that executes the traced aten graph as is, so the compiled
 output must equal the eager model bit for bit: each custom op is the fused kernel or the eager chain
@@ -41,6 +41,10 @@ def _compile_and_compare(device: str, dtype: torch.dtype) -> None:
     # Every norm but the two first ones and the one after the concat consumes a pending update.
     assert gated + plain == 4 * TINY.num_layers + TINY.num_single_layers + 1
     assert plain == 3
+    # q and k of every block: one attention-prologue operator each.
+    assert targets.count(torch.ops.flux2_fused.qk_norm_rope.default) == 2 * (
+        TINY.num_layers + TINY.num_single_layers
+    )
     assert torch.equal(compiled, eager)
 
 

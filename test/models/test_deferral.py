@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux2_fused.models.deferral import PendingConcat, PendingGatedResidual, ResidualFusion, materialize
+from flux2_fused.models.deferral import Fusion, PendingConcat, PendingGatedResidual, materialize
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 from flux2_fused.ops import gated_resnorm as ops
 
@@ -128,7 +128,7 @@ def test_block_public_forward_returns_tensors(fused_cpu):
 
 
 def test_fp16_clip_sites_are_materialized(fused_cpu):
-    fusion = ResidualFusion()
+    fusion = Fusion()
     x = torch.full((1, 4, 8), 60000.0, dtype=torch.float16)
     gate = torch.ones(1, 1, 8, dtype=torch.float16)
     update = torch.full((1, 4, 8), 60000.0, dtype=torch.float16)
@@ -138,7 +138,7 @@ def test_fp16_clip_sites_are_materialized(fused_cpu):
 
 
 def test_disabled_fusion_never_defers(fused_cpu):
-    fusion = ResidualFusion(fused=False)
+    fusion = Fusion(fused=False)
     x, gate, update = torch.randn(1, 4, 8), torch.randn(1, 1, 8), torch.randn(1, 4, 8)
     assert isinstance(fusion.add(x, update, gate), torch.Tensor)
     fusion.norm(x, gate, gate, 1e-6)
@@ -156,7 +156,7 @@ def test_pending_concat_and_rows_materialize_like_eager():
 
 def test_real_guards_decline_on_cpu():
     """Without monkeypatching, nothing is deferred on the CPU: the model is plain eager."""
-    fusion = ResidualFusion()
+    fusion = Fusion()
     x, gate, update = torch.randn(1, 4, 8), torch.randn(1, 1, 8), torch.randn(1, 4, 8)
     assert isinstance(fusion.add(x, update, gate), torch.Tensor)
     assert ops.defer_decline_reason(x, update, gate) is not None

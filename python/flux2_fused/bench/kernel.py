@@ -1,50 +1,133 @@
-"""Kernel benchmark: one FLUX.2 site (gated residual + LayerNorm + adaLN), eager vs fused.
+"""Kernel benchmark: one fused site, eager vs fused, as % of the copy-bandwidth floor.
 
-    flux2-fused kernel [--shapes 6144x4608 3072x4096 ...] [--no-compile] [--json FILE]
+    flux2-fused kernel [--op gated_resnorm|qk_norm_rope] [--shapes AxT ...] [--no-compile] [--json FILE]
     (also python -m flux2_fused.bench.kernel)
 
-For each (D, T): the eager chain, the eager chain replayed from a CUDA graph, torch.compile of the
-chain (not bit-exact; for reference), and the fused kernel, plain and in a CUDA graph. Medians in us,
-variants interleaved; "graph" columns are per call, from a graph of 20 calls (GPU time without launch
-gaps); fused-in-a-graph as % of the copy-bandwidth floor (8 bytes an element: read residual and
-update, write residual and output) with the copy bandwidth measured in the same run. Inputs rotate
-over enough sets to exceed the L2 cache, so small shapes are not timed out of cache.
+Sites (`--op`):
+- gated_resnorm, shapes DxT: one gated residual + LayerNorm + adaLN site [B, T, D]; the floor moves
+  8 bytes an element (read residual and update, write residual and output).
+- qk_norm_rope, shapes HxT: one double block's attention prologue, H heads of 128, T joint tokens of
+  which the first 512 are text: six projection outputs in (q, k, v of both streams), joint q, k, v
+  out. Eager is diffusers' chain (RMSNorm modules, concat, RoPE, concat of v); fused is one kernel
+  for q, one for k, and the same concat of v. The floor moves 12 bytes an element of q (read six
+  bf16 inputs, write three outputs).
+
+For each shape: the eager chain, the eager chain replayed from a CUDA graph, torch.compile of the
+chain (not bit-exact; for reference), and the fused version, plain and in a CUDA graph. Medians in
+us, variants interleaved; "graph" columns are per call, from a graph of 20 calls (GPU time without
+launch gaps); the copy bandwidth is measured in the same run. Inputs rotate over enough sets to
+exceed the L2 cache, so small shapes are not timed out of cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from ..ops import bits_equal
+from ..ops import bits_equal, qk_norm_rope
 from ..ops.gated_resnorm import gated_resnorm, gated_resnorm_decline_reason, gated_resnorm_reference
+from ..ops.qk_norm_rope.selfcheck import HEAD_DIM, rope_tables
 from .report import KernelReport, KernelRow, check_output, format_kernel_table, write_json
 from .timing import copy_bandwidth_gbs, graphed, interleaved_median_us
 
-DEFAULT_SHAPES = [
-    "3072x512",
-    "3072x4096",
-    "3072x4608",
-    "6144x64",
-    "6144x512",
-    "6144x4096",
-    "6144x4608",
-    "6144x8704",
-]
+DEFAULT_SHAPES = {
+    "gated_resnorm": [
+        "3072x512",
+        "3072x4096",
+        "3072x4608",
+        "6144x64",
+        "6144x512",
+        "6144x4096",
+        "6144x4608",
+        "6144x8704",
+    ],
+    "qk_norm_rope": ["24x4608", "48x4608", "24x1536", "48x16896"],
+}
 L2_FLUSH_BYTES = 256 << 20
 GRAPH_REPEATS = 20
+TEXT_TOKENS = 512
 
 
-def _inputs(batch: int, tokens: int, dim: int, dtype: torch.dtype):
-    mod = torch.randn(batch, 1, 6 * dim, device="cuda", dtype=dtype)
-    shift, scale, gate = mod.chunk(6, dim=-1)[3:]
-    residual = torch.randn(batch, tokens, dim, device="cuda", dtype=dtype)
-    update = torch.randn(batch, tokens, dim, device="cuda", dtype=dtype)
-    return residual, update, gate, scale, shift
+@dataclass
+class Case:
+    """One site to time: input sets, the eager chain and the fused version over one set, and the
+    bytes the floor moves."""
+
+    sets: list[tuple]
+    eager: Callable[..., object]
+    fused: Callable[..., object]
+    floor_bytes: int
+    width: int  # D of the row: the hidden size, or heads x 128
+
+
+def _outputs(result: object) -> Sequence[torch.Tensor]:
+    return result if isinstance(result, tuple | list) else [result]
+
+
+def _sets(make: Callable[[], tuple], bytes_per_set: int) -> list[tuple]:
+    return [make() for _ in range(max(1, min(16, -(-L2_FLUSH_BYTES // bytes_per_set))))]
+
+
+def gated_resnorm_case(width: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
+    def make() -> tuple:
+        mod = torch.randn(batch, 1, 6 * width, device="cuda", dtype=dtype)
+        shift, scale, gate = mod.chunk(6, dim=-1)[3:]
+        residual = torch.randn(batch, tokens, width, device="cuda", dtype=dtype)
+        update = torch.randn(batch, tokens, width, device="cuda", dtype=dtype)
+        return residual, update, gate, scale, shift
+
+    elements = batch * tokens * width
+    sets = _sets(make, 4 * elements * dtype.itemsize)
+    if gated_resnorm_decline_reason(*sets[0]) is not None:
+        raise RuntimeError(f"fused path declined D={width} T={tokens}")
+    return Case(sets, gated_resnorm_reference, gated_resnorm, 4 * elements * dtype.itemsize, width)
+
+
+def qk_norm_rope_case(heads: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
+    """A double block's prologue: q, k, v of text (512 rows) and image rows, four RMSNorm weights."""
+    txt, img = min(TEXT_TOKENS, tokens - 1), tokens - min(TEXT_TOKENS, tokens - 1)
+    width = heads * HEAD_DIM
+    cos, sin = rope_tables(tokens, torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0))
+
+    def make() -> tuple:
+        projections = [
+            torch.randn(batch, rows, width, device="cuda", dtype=dtype).unflatten(-1, (heads, HEAD_DIM))
+            for rows in (txt, txt, txt, img, img, img)
+        ]
+        weights = [torch.randn(HEAD_DIM, device="cuda", dtype=dtype) for _ in range(4)]
+        return (*projections, *weights)
+
+    def rows(args: tuple) -> tuple[list, list]:
+        q_txt, k_txt, _, q_img, k_img, _, wq_txt, wk_txt, wq_img, wk_img = args
+        q_rows = [qk_norm_rope.Segment(q_txt, wq_txt), qk_norm_rope.Segment(q_img, wq_img)]
+        k_rows = [qk_norm_rope.Segment(k_txt, wk_txt), qk_norm_rope.Segment(k_img, wk_img)]
+        return q_rows, k_rows
+
+    def eager(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q_rows, k_rows = rows(args)
+        reference = qk_norm_rope.reference.qk_norm_rope
+        value = torch.cat([args[2], args[5]], dim=1)
+        return reference(q_rows, cos, sin, 1e-6), reference(k_rows, cos, sin, 1e-6), value
+
+    def fused(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q_rows, k_rows = rows(args)
+        value = torch.cat([args[2], args[5]], dim=1)
+        return qk_norm_rope.qk_norm_rope(q_rows, cos, sin), qk_norm_rope.qk_norm_rope(k_rows, cos, sin), value
+
+    elements = batch * tokens * width
+    sets = _sets(make, 6 * elements * dtype.itemsize)
+    q_rows, _ = rows(sets[0])
+    if qk_norm_rope.decline_reason(q_rows, cos, sin) is not None:
+        raise RuntimeError(f"fused path declined H={heads} T={tokens}")
+    return Case(sets, eager, fused, 6 * elements * dtype.itemsize, width)
+
+
+CASES = {"gated_resnorm": gated_resnorm_case, "qk_norm_rope": qk_norm_rope_case}
 
 
 def _rotating(fn, sets):
@@ -59,37 +142,34 @@ def _rotating(fn, sets):
     return call
 
 
-def bench_shape(
-    dim: int, tokens: int, batch: int, dtype: torch.dtype, copy_gbs: float, compile_chain
-) -> KernelRow:
-    bytes_per_set = 4 * batch * tokens * dim * torch.finfo(dtype).bits // 8
-    n_sets = max(1, min(16, -(-L2_FLUSH_BYTES // bytes_per_set)))
-    sets = [_inputs(batch, tokens, dim, dtype) for _ in range(n_sets)]
-    if gated_resnorm_decline_reason(*sets[0]) is not None:
-        raise RuntimeError(f"fused path declined D={dim} T={tokens}")
-    ref = gated_resnorm_reference(*sets[0])
-    got = gated_resnorm(*sets[0])
-    exact = bits_equal(got[0], ref[0]) and bits_equal(got[1], ref[1])
-
-    eager = _rotating(gated_resnorm_reference, sets)
-    fused = _rotating(gated_resnorm, sets)
-    # Graphs capture GRAPH_REPEATS calls, rotating over the input sets, and are timed per call.
-    eager_graph = graphed(_rotating(gated_resnorm_reference, sets), GRAPH_REPEATS)
-    fused_graph = graphed(_rotating(gated_resnorm, sets), GRAPH_REPEATS)
-    fns = [eager, eager_graph, fused, fused_graph]
-    if compile_chain is not None:
-        fns.append(_rotating(compile_chain, sets))
+def bench_case(op: str, case: Case, tokens: int, batch: int, copy_gbs: float, compiled) -> KernelRow:
+    """Time one case: eager and fused, plain and in CUDA graphs, and torch.compile of the eager chain."""
+    exact = all(
+        bits_equal(got, ref)
+        for got, ref in zip(
+            _outputs(case.fused(*case.sets[0])), _outputs(case.eager(*case.sets[0])), strict=True
+        )
+    )
+    fns = [
+        _rotating(case.eager, case.sets),
+        graphed(_rotating(case.eager, case.sets), GRAPH_REPEATS),
+        _rotating(case.fused, case.sets),
+        graphed(_rotating(case.fused, case.sets), GRAPH_REPEATS),
+    ]
+    if compiled is not None:
+        fns.append(_rotating(compiled, case.sets))
     times = interleaved_median_us(fns)
     times[1] /= GRAPH_REPEATS
     times[3] /= GRAPH_REPEATS
-    floor_us = 8 * batch * tokens * dim / (copy_gbs * 1e3) * (torch.finfo(dtype).bits / 16)
+    floor_us = case.floor_bytes / (copy_gbs * 1e3)
     return KernelRow(
-        dim=dim,
+        op=op,
+        dim=case.width,
         tokens=tokens,
         batch=batch,
         eager_us=times[0],
         eager_graph_us=times[1],
-        compile_us=times[4] if compile_chain is not None else None,
+        compile_us=times[4] if compiled is not None else None,
         fused_us=times[2],
         fused_graph_us=times[3],
         floor_us=floor_us,
@@ -106,7 +186,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The kernel benchmark's options (the `flux2-fused kernel` subcommand's)."""
     parser.add_argument(
-        "--shapes", nargs="*", default=DEFAULT_SHAPES, metavar="DxT", help="DxT items, e.g. 6144x4608"
+        "--op", choices=list(CASES), default="gated_resnorm", help="which fused site (default gated_resnorm)"
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="*",
+        metavar="AxT",
+        help="gated_resnorm: DxT items, e.g. 6144x4608; qk_norm_rope: HxT (heads x joint tokens), "
+        "e.g. 24x4608 (default: the op's headline shapes)",
     )
     parser.add_argument(
         "--batch", type=int, default=1, metavar="B", help="batch size B of [B, T, D] (default 1)"
@@ -120,14 +207,15 @@ def run(args: argparse.Namespace) -> int:
     """Benchmark every shape on the current CUDA GPU and print the table; 1 when a shape's fused
     outputs differ from eager's."""
     check_output("--json", args.json)
-    compile_chain = None if args.no_compile else torch.compile(gated_resnorm_reference, dynamic=False)
     copy_gbs = copy_bandwidth_gbs()
     rows = []
-    for item in args.shapes:
-        dim, tokens = (int(v) for v in item.lower().split("x"))
-        rows.append(bench_shape(dim, tokens, args.batch, DTYPES[args.dtype], copy_gbs, compile_chain))
+    for item in args.shapes or DEFAULT_SHAPES[args.op]:
+        size, tokens = (int(v) for v in item.lower().split("x"))
+        case = CASES[args.op](size, tokens, args.batch, DTYPES[args.dtype])
+        compiled = None if args.no_compile else torch.compile(case.eager, dynamic=False)
+        rows.append(bench_case(args.op, case, tokens, args.batch, copy_gbs, compiled))
         print(
-            f"D={dim} T={tokens}: fused {rows[-1].fused_graph_us:.1f} us in a graph "
+            f"{args.op} {item}: fused {rows[-1].fused_graph_us:.1f} us in a graph "
             f"({rows[-1].pct_of_copy_bw:.0f}% of copy BW)",
             file=sys.stderr,
         )

@@ -326,9 +326,10 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
 
 @dataclass
 class KernelRow:
-    """One [B, T, D] site of `flux2-fused kernel`; times in us, medians.
+    """One site of `flux2-fused kernel`; times in us, medians.
 
-    - dim: D, the hidden size
+    - op: the fused op (gated_resnorm, qk_norm_rope)
+    - dim: D, the width of a row (the hidden size; for qk_norm_rope heads x 128)
     - tokens: T, tokens a sample
     - batch: B
     - eager_us: the eager chain, plain calls
@@ -336,13 +337,15 @@ class KernelRow:
     - compile_us: torch.compile of the chain (not bit-exact), null with --no-compile
     - fused_us: the fused kernel, plain calls
     - fused_graph_us: the fused kernel per call in a CUDA graph
-    - floor_us: the copy-bandwidth floor, 8 bytes an element (bf16) at the measured copy bandwidth
+    - floor_us: the copy-bandwidth floor: the bytes the site must read and write, at the measured copy
+      bandwidth
     - pct_of_copy_bw: 100 * floor_us / fused_graph_us
     - speedup_vs_eager: eager_us / fused_us
     - speedup_vs_graph: eager_graph_us / fused_graph_us
     - bit_exact: the fused outputs equal the eager chain's bit for bit
     """
 
+    op: str
     dim: int
     tokens: int
     batch: int
@@ -377,6 +380,7 @@ class KernelReport:
 def format_kernel_table(report: KernelReport) -> str:
     """The kernel benchmark's table, one row a shape."""
     headers = [
+        "op",
         "D",
         "T",
         "B",
@@ -393,6 +397,7 @@ def format_kernel_table(report: KernelReport) -> str:
     ]
     rows = [
         [
+            r.op,
             r.dim,
             r.tokens,
             r.batch,

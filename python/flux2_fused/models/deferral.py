@@ -7,8 +7,9 @@ and the modulated norm. Whatever reads a stream otherwise (a concat, a slice, a 
 a block's public forward) calls `materialize`, which is the eager chain itself, so a declined or
 disabled fast path gives the same bits by the same code path.
 
-Every site reaches the kernel through the op's one entry point, `gated_resnorm.apply` (eager mode)
-or its torch.library operators (under torch.compile, where the guards cannot be traced).
+Every site reaches a kernel through its op's one entry point (`gated_resnorm.apply`,
+`qk_norm_rope.apply`) in eager mode, or the op's torch.library operators under torch.compile, where
+the guards cannot be traced.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops import gated_resnorm
+from ..ops import gated_resnorm, qk_norm_rope
 from ..ops.gated_resnorm import Segment
 
 # `residual + gate * update`, not yet computed: the op's gated segment (residual and update [B, T, D]).
@@ -67,8 +68,9 @@ class Normed(NamedTuple):
     stream: torch.Tensor
 
 
-class ResidualFusion:
-    """Where each residual site goes: fused (deferred) when the guards prove it exact, else eager.
+class Fusion:
+    """Where each fusable site goes: the fused op (a residual deferred into the next norm, the
+    attention prologue) where the guards prove it exact, else the eager chain.
 
     One instance is shared by a model and its blocks (handed to each block's constructor); `fused`
     is the model's switch.
@@ -131,3 +133,18 @@ class ResidualFusion:
             return library.gated_resnorm(x.residual, x.update, x.gate, scale, shift, eps)
         stream = x.residual if isinstance(x, Segment) else materialize(x)
         return library.modnorm(stream, scale, shift, eps), stream
+
+    def qk_norm_rope(
+        self, rows: list[qk_norm_rope.Segment], rope: tuple[torch.Tensor, torch.Tensor], eps: float
+    ) -> torch.Tensor:
+        """Each segment's heads RMS-normalized with its weight, concatenated along tokens, rotated:
+        one kernel launch where it accepts, else diffusers' chain."""
+        cos, sin = rope
+        if self._traced():
+            from ..ops.qk_norm_rope import library
+
+            second = (rows[1].x, rows[1].weight) if len(rows) == 2 else (None, None)
+            return library.qk_norm_rope(rows[0].x, rows[0].weight, *second, cos, sin, eps)
+        if self._active():
+            return qk_norm_rope.apply(rows, cos, sin, eps)
+        return qk_norm_rope.reference.qk_norm_rope(rows, cos, sin, eps)

@@ -6,11 +6,13 @@ diffusers 0.42.1 with its "native" attention backend, so the two agree bit for b
 (`torch.equal`, CPU and CUDA, fp32/bf16/fp16). Anything that looks redundant below (the fp64 RoPE
 tables, the permuted SDPA inputs, the fp16 clips) is there because dropping it would change bits.
 
-Every gated residual update goes through `ResidualFusion.add` and every LayerNorm + adaLN modulation
-through `ResidualFusion.norm` (models/deferral.py): on a CUDA GPU, where the guards prove it exact, an
-update is left pending and the next norm consumes it in one fused kernel; everywhere else the same calls
-run diffusers' eager ops. Blocks' public `forward` always returns materialized tensors, so hooks and
-callers never see a pending update; the model's own loop passes pending streams between blocks.
+Every gated residual update goes through `Fusion.add`, every LayerNorm + adaLN modulation through
+`Fusion.norm`, and every q/k RMSNorm + RoPE through `Fusion.qk_norm_rope` (models/deferral.py): on a
+CUDA GPU, where the guards prove it exact, an update is left pending and the next norm consumes it in
+one fused kernel, and the attention prologue writes q and k in one launch each; everywhere else the
+same calls run diffusers' eager ops. Blocks' public `forward` always returns materialized tensors, so
+hooks and callers never see a pending update; the model's own loop passes pending streams between
+blocks.
 """
 
 import dataclasses
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flux2_fused.models.deferral import PendingConcat, ResidualFusion, Stream, materialize, stream_rows
+from flux2_fused.models.deferral import Fusion, PendingConcat, Stream, materialize, stream_rows
 from flux2_fused.models.weights import (
     CONFIG_NAME,
     WeightsError,
@@ -32,6 +34,7 @@ from flux2_fused.models.weights import (
     shard_files,
     stream_into,
 )
+from flux2_fused.ops import qk_norm_rope
 
 # (cos, sin) RoPE tables, [S_txt + S_img, head_dim] each, text rows first.
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -183,12 +186,17 @@ def timestep_sinusoid(t: torch.Tensor, channels: int, max_period: float = 10000.
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate interleaved channel pairs (GPT-J style) of x [B, S, H, hd] in fp32; round once to x's dtype."""
-    cos, sin = (t[None, :, None, :] for t in rope)
-    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+def prologue(fusion: Fusion, parts: list[tuple[torch.Tensor, nn.RMSNorm]], rope: Rope) -> torch.Tensor:
+    """q or k for attention: each part's heads [B, S, H, hd] through its RMSNorm, concatenated along
+    tokens (text first), rotated: one fused launch where the guards accept. A norm with hooks runs
+    as a module call, so the hooks see it."""
+    norms = [norm for _, norm in parts]
+    if any(_has_hooks(norm) for norm in norms) or len({norm.eps for norm in norms}) != 1:
+        normed = [norm(x) for x, norm in parts]
+        return qk_norm_rope.reference.rope(torch.cat(normed, dim=1) if len(normed) > 1 else normed[0], *rope)
+    return fusion.qk_norm_rope(
+        [qk_norm_rope.Segment(x, norm.weight) for x, norm in parts], rope, norms[0].eps
+    )
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -293,9 +301,10 @@ class Flux2DoubleAttention(nn.Module):
     The text rows come first in the joint sequence (and in the RoPE tables).
     """
 
-    def __init__(self, dim: int, heads: int, head_dim: int, eps: float) -> None:
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float, *, fusion: Fusion) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.fusion = fusion
         inner = heads * head_dim
         self.to_q = nn.Linear(dim, inner, bias=False)
         self.to_k = nn.Linear(dim, inner, bias=False)
@@ -314,14 +323,12 @@ class Flux2DoubleAttention(nn.Module):
     def forward(self, x: torch.Tensor, c: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, N, D] image rows, c [B, L, D] text rows -> (image update, text update)."""
         shape = (-1, self.head_dim)
-        query = self.norm_q(self.to_q(x).unflatten(-1, shape))
-        key = self.norm_k(self.to_k(x).unflatten(-1, shape))
-        value = self.to_v(x).unflatten(-1, shape)
-        c_query = self.norm_added_q(self.add_q_proj(c).unflatten(-1, shape))
-        c_key = self.norm_added_k(self.add_k_proj(c).unflatten(-1, shape))
-        c_value = self.add_v_proj(c).unflatten(-1, shape)
-        query = apply_rope(torch.cat([c_query, query], dim=1), rope)
-        key = apply_rope(torch.cat([c_key, key], dim=1), rope)
+        query, key, value = (proj(x).unflatten(-1, shape) for proj in (self.to_q, self.to_k, self.to_v))
+        c_query, c_key, c_value = (
+            proj(c).unflatten(-1, shape) for proj in (self.add_q_proj, self.add_k_proj, self.add_v_proj)
+        )
+        query = prologue(self.fusion, [(c_query, self.norm_added_q), (query, self.norm_q)], rope)
+        key = prologue(self.fusion, [(c_key, self.norm_added_k), (key, self.norm_k)], rope)
         value = torch.cat([c_value, value], dim=1)
         out = attention(query, key, value)
         c_out, x_out = out.split_with_sizes([c.shape[1], x.shape[1]], dim=1)
@@ -332,9 +339,12 @@ class Flux2ParallelAttention(nn.Module):
     """Single-stream "parallel" block body: one Linear gives q, k, v and the MLP input; one Linear maps
     the concatenated attention output and MLP activation back to D."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float) -> None:
+    def __init__(
+        self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float, *, fusion: Fusion
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.fusion = fusion
         self.qkv_dim = 3 * heads * head_dim
         self.to_qkv_mlp_proj = nn.Linear(dim, self.qkv_dim + 2 * mlp_hidden, bias=False)
         self.norm_q = nn.RMSNorm(head_dim, eps=eps)
@@ -346,8 +356,8 @@ class Flux2ParallelAttention(nn.Module):
         proj = self.to_qkv_mlp_proj(h)
         qkv, mlp = proj.split([self.qkv_dim, proj.shape[-1] - self.qkv_dim], dim=-1)
         query, key, value = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv.chunk(3, dim=-1))
-        query = apply_rope(self.norm_q(query), rope)
-        key = apply_rope(self.norm_k(key), rope)
+        query = prologue(self.fusion, [(query, self.norm_q)], rope)
+        key = prologue(self.fusion, [(key, self.norm_k)], rope)
         out = attention(query, key, value)
         return self.to_out(torch.cat([out, swiglu(mlp)], dim=-1))
 
@@ -357,16 +367,16 @@ class Flux2DoubleBlock(nn.Module):
     meeting only inside the joint attention.
 
     The norm modules hold no parameters; they are kept so module paths (and their eps) match diffusers,
-    while the computation goes through the model's `ResidualFusion`, handed in as `fusion`.
+    while the computation goes through the model's `Fusion`, handed in as `fusion`.
     """
 
     def __init__(
-        self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float, *, fusion: ResidualFusion
+        self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float, *, fusion: Fusion
     ) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.norm1_context = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
-        self.attn = Flux2DoubleAttention(dim, heads, head_dim, eps)
+        self.attn = Flux2DoubleAttention(dim, heads, head_dim, eps, fusion=fusion)
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.ff = Flux2FeedForward(dim, mlp_hidden)
         self.norm2_context = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
@@ -409,11 +419,11 @@ class Flux2SingleBlock(nn.Module):
     """Single-stream block over the joint [text; image] sequence; fp16 results are clipped."""
 
     def __init__(
-        self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float, *, fusion: ResidualFusion
+        self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float, *, fusion: Fusion
     ) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
-        self.attn = Flux2ParallelAttention(dim, heads, head_dim, mlp_hidden, eps)
+        self.attn = Flux2ParallelAttention(dim, heads, head_dim, mlp_hidden, eps, fusion=fusion)
         self.fusion = fusion
 
     def forward(self, h: torch.Tensor, mod: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -432,7 +442,7 @@ class Flux2OutputNorm(nn.Module):
     (scale, shift) - scale FIRST, unlike the blocks' (shift, scale, gate) - around an affine-free
     LayerNorm."""
 
-    def __init__(self, dim: int, eps: float, *, fusion: ResidualFusion) -> None:
+    def __init__(self, dim: int, eps: float, *, fusion: Fusion) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, 2 * dim, bias=False)
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
@@ -476,8 +486,8 @@ class Flux2Transformer(nn.Module):
         super().__init__()
         self.config = config
         dim, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
-        # One switch for every site: the blocks share the model's ResidualFusion.
-        self.fusion = ResidualFusion(fused=fused)
+        # One switch for every site: the blocks share the model's Fusion.
+        self.fusion = Fusion(fused=fused)
         block_args = (dim, heads, head_dim, config.mlp_hidden_dim, config.eps)
         self.pos_embed = Flux2PosEmbed(config.rope_theta, config.axes_dims_rope)
         self.time_guidance_embed = Flux2TimestepGuidanceEmbedding(

@@ -6,7 +6,7 @@ counts, batch 1-3, [T, D] and [B, T, D] streams (dense, or the last rows of a lo
 modulation as chunk views, [B, 1, D], [1, 1, D], [1, D], [D] or batch-expanded rows, and values
 from randn at several scales up to random bit patterns (NaN, Inf, subnormals). Rejected draws
 break one or two things the kernel cannot reproduce (dtype, alignment, strides, D, grad, device,
-eager broadcasting) and go through `ResidualFusion`, the code every model site runs.
+eager broadcasting) and go through `Fusion`, the code every model site runs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from flux2_fused.models.deferral import ResidualFusion, stream_rows
+from flux2_fused.models.deferral import Fusion, stream_rows
 from flux2_fused.ops import bits_equal, random_bits
 from flux2_fused.ops.gated_resnorm import (
     MAX_DIM,
@@ -159,7 +159,7 @@ def _site_for_break(kind: str, site: Site) -> Site:
 @settings(FUZZ, max_examples=300)
 @given(site=sites(), breaks=st.lists(st.tuples(st.sampled_from(BREAKS), st.integers(0, 4)), max_size=2))
 def test_model_path_equals_eager(site: Site, breaks: list, gen: torch.Generator) -> None:
-    """Accepted or not, a site through ResidualFusion (add, norm, output_norm) gives eager's bits."""
+    """Accepted or not, a site through Fusion (add, norm, output_norm) gives eager's bits."""
     for kind, _ in breaks:
         site = _site_for_break(kind, site)
     if site.dim % 4 != 0:  # an odd D can't come from a chunked [.., 6D] row with dim % 4: build dense
@@ -177,7 +177,7 @@ def test_model_path_equals_eager(site: Site, breaks: list, gen: torch.Generator)
             return
         declined = gated_resnorm_decline_reason(residual, update, gate, scale, shift) is not None
         event("declined" if declined else "accepted")
-        fusion = ResidualFusion(fused=True)
+        fusion = Fusion(fused=True)
         out, stream = fusion.norm(fusion.add(residual, update, gate), scale, shift, 1e-6)
         assert bits_equal(stream.detach(), eager_stream.detach())
         assert bits_equal(out.detach(), eager_out.detach())

@@ -31,7 +31,8 @@ from flux2_fused.ops.gated_resnorm import (
 )
 from flux2_fused.ops.verdicts import TypeReason
 
-from .conftest import GUARDS, as_cuda, check_guard, flux2_inputs, misaligned
+from ..conftest import as_cuda, misaligned
+from .conftest import GUARDS, check_guard, flux2_inputs
 
 B, T, D = 2, 5, 8
 BF16 = torch.bfloat16

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 from flux2_fused.ops.gated_resnorm import MAX_DIM
 
-from .conftest import GUARDS, as_cuda, check_guard, misaligned
+from ..conftest import as_cuda, misaligned
+from .conftest import GUARDS, check_guard
 
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SUPPORTED = (torch.bfloat16, torch.float16)

@@ -1,0 +1,80 @@
+"""Why the qk_norm_rope kernel cannot take a segment: the checks, in words, and the boolean guard.
+
+The kernel reproduces eager for x [B, S, H, 128] views whose heads are dense (any row and batch
+stride that keeps 8-byte alignment: the single block's q and k are chunks of one wide projection),
+a [128] RMSNorm weight of x's dtype, fp32 [S_total, 128] RoPE tables, one 16-bit float dtype on one
+CUDA device, 8-byte-aligned data and no autograd. Everything else declines to the eager chain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import runtime
+from ..verdicts import Guard, Reason, TypeReason
+from .selfcheck import HEAD_DIM, OP, Config
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _x_reason(x: Any) -> Reason:
+    if not isinstance(x, torch.Tensor):
+        return TypeReason("x is not a tensor")
+    if x.dim() != 4:
+        return f"x must be [B, S, H, head_dim], got {tuple(x.shape)}"
+    if x.shape[-1] != HEAD_DIM:
+        return f"head_dim {x.shape[-1]} is not {HEAD_DIM} (the kernel reproduces aten's reduction for 128)"
+    if x.stride(-1) != 1 or (x.shape[-2] > 1 and x.stride(-2) != HEAD_DIM):
+        return "x heads are not dense (needs strides (..., 128, 1))"
+    for axis, name in ((1, "row"), (0, "batch")):
+        if x.shape[axis] > 1 and x.stride(axis) % 4 != 0:
+            return f"x {name} stride {x.stride(axis)} is not a multiple of 4 elements"
+    return None
+
+
+def _table_reason(name: str, t: Any) -> Reason:
+    if not isinstance(t, torch.Tensor):
+        return TypeReason(f"{name} is not a tensor")
+    if t.dtype != torch.float32:
+        return TypeReason(f"{name} is {t.dtype}, the RoPE tables are float32")
+    if t.dim() != 2 or t.shape[-1] != HEAD_DIM or not t.is_contiguous():
+        return f"{name} must be a contiguous [S, {HEAD_DIM}] table, got {tuple(t.shape)}"
+    return None
+
+
+def _metadata_reason(x: Any, weight: Any, cos: Any, sin: Any) -> Reason:
+    """Everything the tensors' shapes, strides, dtypes and devices decide for one segment."""
+    reason = _x_reason(x) or _table_reason("cos", cos) or _table_reason("sin", sin)
+    if reason is not None:
+        return reason
+    if not isinstance(weight, torch.Tensor):
+        return TypeReason("weight is not a tensor")
+    if weight.shape != (HEAD_DIM,) or weight.stride(0) != 1:
+        return f"weight must be a dense [{HEAD_DIM}] vector, got {tuple(weight.shape)}"
+    if x.device.type != "cuda":
+        return TypeReason(f"x is on {x.device}, the fused kernel needs CUDA")
+    if x.dtype not in SUPPORTED_DTYPES:
+        return TypeReason(f"dtype {x.dtype} is not supported (bfloat16, float16)")
+    if weight.dtype != x.dtype:
+        return TypeReason(f"weight is {weight.dtype}, x is {x.dtype} (eager would promote)")
+    for name, t in (("weight", weight), ("cos", cos), ("sin", sin)):
+        if t.device != x.device:
+            return TypeReason(f"{name} is on {t.device}, x on {x.device}")
+    if cos.shape != sin.shape:
+        return f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ"
+    return None
+
+
+def _runtime_reason(x: torch.Tensor, *_: Any) -> Reason:
+    """Kill switch, kernel build and the self-check for this (device, dtype)."""
+    return runtime.runtime_reason(OP, x.device, Config(x.dtype))
+
+
+segment = Guard(("x", "weight", "cos", "sin"), lambda *args: _metadata_reason(*args), _runtime_reason)
+
+
+def segment_decline_reason(x: Any, weight: Any, cos: Any, sin: Any) -> Reason:
+    """Why the kernel declines this segment, or None when it accepts it."""
+    return segment.reason(x, weight, cos, sin)

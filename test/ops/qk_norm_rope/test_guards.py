@@ -1,0 +1,227 @@
+"""CPU tests of the qk_norm_rope guards and entry point: every decline reason with its message, the
+validated op's errors, garbage that never raises, and the entry point's fallback on the CPU."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from flux2_fused.ops import qk_norm_rope, runtime, verdicts
+from flux2_fused.ops.qk_norm_rope import HEAD_DIM, Segment, decline_reason, guards, segment_decline_reason
+from flux2_fused.ops.verdicts import TypeReason
+
+from ..conftest import as_cuda, misaligned
+
+B, S, H = 2, 5, 3
+BF16 = torch.bfloat16
+
+
+def _x(tokens: int = S, *, dtype: torch.dtype = BF16, cuda: bool = True, width: int = H * HEAD_DIM) -> Any:
+    x = torch.zeros(B, tokens, width, dtype=dtype).unflatten(-1, (-1, HEAD_DIM))
+    return as_cuda(x) if cuda else x
+
+
+def _table(tokens: int = S, dtype: torch.dtype = torch.float32) -> Any:
+    return as_cuda(torch.zeros(tokens, HEAD_DIM, dtype=dtype))
+
+
+def _args(**overrides: Any) -> tuple[Any, ...]:
+    args = {"x": _x(), "weight": as_cuda(torch.zeros(HEAD_DIM, dtype=BF16)), "cos": _table(), "sin": _table()}
+    args.update(overrides)
+    return tuple(args.values())
+
+
+CASES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "x not a tensor": (_args(x=1.0), "x is not a tensor"),
+    "x 3-D": (
+        _args(x=as_cuda(torch.zeros(B, S, HEAD_DIM, dtype=BF16))),
+        "x must be [B, S, H, head_dim], got (2, 5, 128)",
+    ),
+    "head_dim 64": (
+        _args(x=as_cuda(torch.zeros(B, S, H, 64, dtype=BF16))),
+        "head_dim 64 is not 128 (the kernel reproduces aten's reduction for 128)",
+    ),
+    "heads not dense": (
+        _args(x=as_cuda(torch.zeros(B, S, H, 2 * HEAD_DIM, dtype=BF16))[..., :HEAD_DIM]),
+        "x heads are not dense (needs strides (..., 128, 1))",
+    ),
+    "row stride": (
+        _args(
+            x=as_cuda(torch.zeros(B, S, H * HEAD_DIM + 2, dtype=BF16))[..., 2:].unflatten(-1, (-1, HEAD_DIM))
+        ),
+        "x row stride 386 is not a multiple of 4 elements",
+    ),
+    "batch stride": (
+        _args(
+            x=as_cuda(
+                torch.zeros(B * S * H * HEAD_DIM + 2, dtype=BF16).as_strided(
+                    (B, S, H, HEAD_DIM), (S * H * HEAD_DIM + 2, H * HEAD_DIM, HEAD_DIM, 1)
+                )
+            )
+        ),
+        f"x batch stride {S * H * HEAD_DIM + 2} is not a multiple of 4 elements",
+    ),
+    "cos not a tensor": (_args(cos=None), "cos is not a tensor"),
+    "cos bf16": (_args(cos=_table(dtype=BF16)), "cos is torch.bfloat16, the RoPE tables are float32"),
+    "sin shape": (
+        _args(sin=as_cuda(torch.zeros(S, 64))),
+        "sin must be a contiguous [S, 128] table, got (5, 64)",
+    ),
+    "weight not a tensor": (_args(weight=[1.0]), "weight is not a tensor"),
+    "weight shape": (
+        _args(weight=as_cuda(torch.zeros(64, dtype=BF16))),
+        "weight must be a dense [128] vector, got (64,)",
+    ),
+    "cpu": (_args(x=_x(cuda=False)), "x is on cpu, the fused kernel needs CUDA"),
+    "float32": (
+        _args(x=_x(dtype=torch.float32), weight=as_cuda(torch.zeros(HEAD_DIM))),
+        "dtype torch.float32 is not supported (bfloat16, float16)",
+    ),
+    "weight dtype": (
+        _args(weight=as_cuda(torch.zeros(HEAD_DIM, dtype=torch.float16))),
+        "weight is torch.float16, x is torch.bfloat16 (eager would promote)",
+    ),
+    "weight device": (
+        _args(weight=as_cuda(torch.zeros(HEAD_DIM, dtype=BF16), 1)),
+        "weight is on cuda:1, x on cuda:0",
+    ),
+    "tables differ": (_args(sin=_table(S + 1)), "cos (5, 128) and sin (6, 128) differ"),
+    "grad": (
+        _args(x=as_cuda(torch.zeros(B, S, H, HEAD_DIM, dtype=BF16).requires_grad_())),
+        "x requires grad and the fused kernel has no backward",
+    ),
+    "misaligned": (
+        _args(x=as_cuda(misaligned(B, S, H, HEAD_DIM))),
+        "x data pointer is not 8-byte aligned",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.usefixtures("accept_runtime")
+def test_decline_reason(name: str) -> None:
+    """The exact reason; the guard says False; the validated op raises TypeError or ValueError with it."""
+    args, expected = CASES[name]
+    reason = segment_decline_reason(*args)
+    assert reason == expected
+    assert guards.segment(*args) is False
+    error = TypeError if isinstance(reason, TypeReason) else ValueError
+    with pytest.raises(error, match=f"^{re.escape('flux2-fused: ' + reason)}$"):
+        qk_norm_rope.qk_norm_rope([Segment(args[0], args[1])], *args[2:])
+
+
+@pytest.mark.usefixtures("accept_runtime")
+def test_accepts_both_flux2_layouts() -> None:
+    weight, cos, sin = _args()[1:]
+    dense = _x()
+    wide = as_cuda(_x(width=5 * H * HEAD_DIM, cuda=False)[:, :, H : 2 * H])  # the single block's k chunk
+    for x in (dense, wide):
+        assert segment_decline_reason(x, weight, cos, sin) is None and guards.segment(x, weight, cos, sin)
+    txt = _x(2)
+    joint = (_table(S + 2), _table(S + 2))
+    assert decline_reason([Segment(txt, weight), Segment(dense, weight)], *joint) is None
+
+
+ROWS_CASES = {
+    "three segments": (3, "a launch takes one or two segments, got 3"),
+    "heads differ": (None, "the segments differ in batch or heads"),
+    "table rows": (1, "the RoPE tables have 5 rows, the segments 10 tokens"),
+}
+
+
+@pytest.mark.parametrize("kind", ROWS_CASES)
+@pytest.mark.usefixtures("accept_runtime")
+def test_entry_point_declines_what_one_launch_cannot_do(kind: str) -> None:
+    weight, cos, sin = _args()[1:]
+    count, expected = ROWS_CASES[kind]
+    if count is None:
+        rows = [Segment(_x(), weight), Segment(_x(width=2 * HEAD_DIM), weight)]
+        cos, sin = _table(2 * S), _table(2 * S)
+    else:
+        rows = [Segment(_x(), weight)] * (count if count > 1 else 2)
+    assert decline_reason(rows, cos, sin) == expected
+    assert qk_norm_rope.fused(rows, cos, sin, 1e-6) is None
+
+
+GARBAGE = {"None": None, "int": 0, "str": "x", "0-d": torch.tensor(1.0), "5-d": torch.zeros(1, 1, 1, 1, 128)}
+
+
+@pytest.mark.parametrize("garbage", GARBAGE)
+@pytest.mark.usefixtures("accept_runtime")
+def test_guard_returns_false_for_garbage(garbage: str) -> None:
+    for position in range(4):
+        args = list(_args())
+        args[position] = GARBAGE[garbage]
+        assert guards.segment(*args) is False
+        assert segment_decline_reason(*args) is not None
+
+
+def test_guard_never_raises_even_when_checking_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any) -> str | None:
+        raise RuntimeError("bug in a check")
+
+    monkeypatch.setattr(guards, "_metadata_reason", broken)
+    monkeypatch.setattr(verdicts, "_verdicts", {})
+    assert guards.segment(*_args()) is False
+
+
+def test_runtime_stage_is_keyed_by_this_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verdict of another op for the same device never answers for this one."""
+    monkeypatch.setattr(runtime, "_records", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(
+        runtime, "_check", lambda op, device, config: runtime.CheckRecord(op.name != "qk_norm_rope", "x", 0)
+    )
+    assert guards._runtime_reason(_x()) == "self-check failed: x"
+    assert [key[0] for key in runtime._records] == ["qk_norm_rope"]
+
+
+def test_apply_on_the_cpu_is_the_eager_chain() -> None:
+    norm = torch.nn.RMSNorm(HEAD_DIM, eps=1e-6)
+    x = torch.randn(B, S, H, HEAD_DIM)
+    cos, sin = torch.rand(S, HEAD_DIM), torch.rand(S, HEAD_DIM)
+    rows = [Segment(x, norm.weight), Segment(x.flip(1), norm.weight)]
+    cos2, sin2 = torch.cat([cos, cos]), torch.cat([sin, sin])
+    assert qk_norm_rope.fused(rows, cos2, sin2, 1e-6) is None
+    with torch.no_grad():
+        assert torch.equal(
+            qk_norm_rope.apply(rows, cos2, sin2, 1e-6),
+            qk_norm_rope.reference.qk_norm_rope(rows, cos2, sin2, 1e-6),
+        )
+
+
+def _reason_templates() -> list[str]:
+    """Every string a `*reason` function of the guards or the entry point returns, as a regex."""
+
+    def strings(node: ast.AST | None) -> list[ast.AST]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node]
+        if isinstance(node, ast.JoinedStr):
+            return [node]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "TypeReason":
+            return [s for arg in node.args for s in strings(arg)]
+        return []
+
+    def regex(node: ast.AST) -> str:
+        if isinstance(node, ast.Constant):
+            return re.escape(node.value)
+        assert isinstance(node, ast.JoinedStr)
+        return "".join(re.escape(v.value) if isinstance(v, ast.Constant) else "(.*)" for v in node.values)
+
+    tree = ast.parse(inspect.getsource(guards) + "\n" + inspect.getsource(qk_norm_rope))
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.endswith("reason")]
+    returns = [node for fn in functions for node in ast.walk(fn) if isinstance(node, ast.Return)]
+    return sorted({regex(s) for r in returns for s in strings(r.value)})
+
+
+def test_every_decline_reason_has_a_case() -> None:
+    produced = [reason for _, reason in CASES.values()] + [reason for _, reason in ROWS_CASES.values()]
+    templates = _reason_templates()
+    assert len(templates) >= 15
+    untested = [t for t in templates if not any(re.fullmatch(t, message) for message in produced)]
+    assert not untested, f"decline reasons without a test case: {untested}"
