@@ -1,11 +1,17 @@
-"""CPU tests of the step benchmark's statistics and of the GPU benchmarks' tables; their CUDA timing
-needs a GPU."""
+"""CPU tests of the step benchmark's statistics, of its kernel classifier and of the GPU benchmarks'
+tables; their CUDA timing and profiling need a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
+from flux2_fused.bench.denoise import site_of
 from flux2_fused.bench.report import (
+    KERNEL_CLASSES,
+    Breakdown,
     KernelReport,
     KernelRow,
     StepResult,
@@ -15,7 +21,59 @@ from flux2_fused.bench.report import (
     format_step_table,
     format_verify,
 )
-from flux2_fused.bench.step import _pair_order
+from flux2_fused.bench.step import FUSED_KERNELS, _pair_order, breakdown_of, kernel_class
+
+# Kernel names in the form torch.profiler reports them on Hopper (cuBLAS, cuBLASLt, cuDNN, flash,
+# memory-efficient attention, aten, Inductor and this package's kernels), with the class of each.
+KERNEL_NAMES = [
+    (
+        "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8>"
+        "(cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8::Params)",
+        "gemm",
+    ),
+    (
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off"
+        "_kernel__5x_cublas",
+        "gemm",
+    ),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", "gemm"),
+    (
+        "void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16, 4, 4, false>(...)",
+        "gemm",
+    ),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float>(...)", "gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0", "attention"),
+    (
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false>, true>(...)",
+        "attention",
+    ),
+    (
+        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)",
+        "attention",
+    ),
+    (
+        "void flux2_fused::gated_resnorm_kernel<__nv_bfloat16, 12, true, true>(__nv_bfloat16 const*, ...)",
+        "fused",
+    ),
+    (
+        "void flux2_fused::qk_norm_rope::qk_norm_rope_kernel<__nv_bfloat16>(__nv_bfloat16 const*, ...)",
+        "fused",
+    ),
+    (
+        "void flux2_fused::swiglu_kernel<__nv_bfloat16, 8>(__nv_bfloat16 const*, __nv_bfloat16*, long)",
+        "fused",
+    ),
+    ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl<...> >(int, ...)", "other"),
+    (
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float, true>"
+        "(int, float, c10::BFloat16 const*, ...)",
+        "other",
+    ),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(...)>(...)", "other"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>(...)", "other"),
+    ("Memcpy DtoD (Device -> Device)", "other"),
+    ("triton_poi_fused_add_mul_0", "other"),  # Inductor's fusions are not ours
+]
 
 
 def test_pairs_alternate_which_mode_runs_first() -> None:
@@ -32,6 +90,39 @@ def test_timing_pairs_steps_by_position() -> None:
     assert t.fused_won == 3
 
 
+@pytest.mark.parametrize(
+    ("name", "expected"), KERNEL_NAMES, ids=[c + str(i) for i, (_, c) in enumerate(KERNEL_NAMES)]
+)
+def test_kernel_class_sorts_real_kernel_names(name: str, expected: str) -> None:
+    assert kernel_class(name) == expected
+
+
+def test_every_fused_kernel_is_fused_in_both_benchmarks() -> None:
+    """The step benchmark's classes and `flux2-fused bench`'s sites share one list of our kernels."""
+    for kernel in FUSED_KERNELS:
+        name = f"void flux2_fused::{kernel}<__nv_bfloat16>(...)"
+        assert kernel_class(name) == "fused" and site_of(name) == "fused"
+
+
+def test_breakdown_sums_time_and_launches_by_class() -> None:
+    b = breakdown_of([(name, 1000.0 * (i + 1)) for i, (name, _) in enumerate(KERNEL_NAMES)])
+    assert list(b.kernel_ms) == list(b.launches) == list(KERNEL_CLASSES)
+    for cls in KERNEL_CLASSES:
+        indices = [i for i, (_, c) in enumerate(KERNEL_NAMES) if c == cls]
+        assert b.launches[cls] == len(indices)
+        assert b.kernel_ms[cls] == pytest.approx(sum(i + 1 for i in indices))  # 1000 us = 1 ms
+    assert b.total_launches == len(KERNEL_NAMES)
+    assert b.total_ms == pytest.approx(sum(range(1, len(KERNEL_NAMES) + 1)))
+    empty = breakdown_of([])
+    assert empty.total_launches == 0 and empty.kernel_ms == dict.fromkeys(KERNEL_CLASSES, 0.0)
+
+
+def test_breakdown_fields_are_documented() -> None:
+    """Breakdown is nested in StepResult's JSON, so its fields are documented like the report classes'."""
+    documented = set(re.findall(r"^\s*- (\w+):", Breakdown.__doc__ or "", re.MULTILINE))
+    assert documented == {field.name for field in dataclasses.fields(Breakdown)}
+
+
 def _table_widths(text: str) -> set[int]:
     """Cell counts of the markdown rows of `text` (one value when every row matches the header)."""
     return {line.count("|") for line in text.splitlines() if line.startswith("|")}
@@ -40,11 +131,27 @@ def _table_widths(text: str) -> set[int]:
 def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     """The step, kernel and verify tables are printed only on a GPU: check them with made-up figures."""
     timing = Timing.of({False: [10.0, 12.0], True: [9.0, 11.0]})
-    step = StepResult("klein-4b", 1, 2, 4096, 512, timing, timing, 1256, 1052, 41, "a" * 64, "a" * 64, True)
+    eager = Breakdown(
+        {"gemm": 6.5, "attention": 2.25, "fused": 0.0, "other": 1.75},
+        {"gemm": 500, "attention": 50, "fused": 0, "other": 706},
+    )
+    fused = Breakdown(
+        {"gemm": 6.5, "attention": 2.25, "fused": 0.5, "other": 0.75},
+        {"gemm": 500, "attention": 50, "fused": 41, "other": 461},
+    )
+    step = StepResult(
+        "klein-4b", 1, 2, 4096, 512, timing, timing, 1256, 1052, 41, eager, fused, "a" * 64, "a" * 64, True
+    )
     table = format_step_table([step], "NVIDIA H200", "2.11.0")
+    timings, breakdown = table.split("\n\n")
     assert (
-        _table_widths(table) == {14}
-        and "| klein-4b | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% |" in table
+        _table_widths(timings) == {14}
+        and "| klein-4b | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% |" in timings
+    )
+    assert _table_widths(breakdown) == {9}
+    assert "| klein-4b | eager | 1256 | 6.50 (500) | 2.25 (50) | 0.00 (0) | 1.75 (706) | 10.50 |" in breakdown
+    assert (
+        "| klein-4b | fused | 1052 | 6.50 (500) | 2.25 (50) | 0.50 (41) | 0.75 (461) | 10.00 |" in breakdown
     )
     row = KernelRow(
         "gated_resnorm", 3072, 4096, 1, 184.0, 135.1, None, 80.0, 28.3, 23.8, 84.1, 2.3, 4.77, True

@@ -45,6 +45,8 @@ def _compile_and_compare(device: str, dtype: torch.dtype) -> None:
     assert targets.count(torch.ops.flux2_fused.qk_norm_rope.default) == 2 * (
         TINY.num_layers + TINY.num_single_layers
     )
+    # SwiGLU: both feed-forwards of a double block, the MLP part of a single block.
+    assert targets.count(torch.ops.flux2_fused.swiglu.default) == 2 * TINY.num_layers + TINY.num_single_layers
     assert torch.equal(compiled, eager)
 
 

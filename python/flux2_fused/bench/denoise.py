@@ -54,7 +54,7 @@ from ..models.weights import CONFIG_NAME, WeightsError, read_config, shard_files
 from ..ops import DISABLE_ENV, kill_switch, self_check_records
 from ..ops.gated_resnorm import SUPPORTED_DTYPES
 from .report import MODES, SITES, BenchReport, ModeResult
-from .step import FUSED_KERNEL, tensor_sha256
+from .step import FUSED_KERNELS, tensor_sha256
 from .timing import event_ms
 
 T = TypeVar("T")
@@ -76,7 +76,7 @@ PIPELINE_INDEX = "model_index.json"  # marks a diffusers pipeline folder, one su
 TRANSFORMER_CLASS = "Flux2Transformer2DModel"  # config.json's _class_name in a FLUX.2 transformer folder
 # Kernel names on the GPU, aten op names on the CPU; the first pattern that matches names the site.
 _SITE_PATTERNS = (
-    ("fused", re.compile(re.escape(FUSED_KERNEL))),
+    ("fused", re.compile("|".join(map(re.escape, FUSED_KERNELS)))),
     ("norm", re.compile(r"layer_?norm|rms_?norm", re.IGNORECASE)),
     (
         "elementwise",

@@ -1,6 +1,6 @@
 """Kernel benchmark: one fused site, eager vs fused, as % of the copy-bandwidth floor.
 
-    flux2-fused kernel [--op gated_resnorm|qk_norm_rope] [--shapes AxT ...] [--no-compile] [--json FILE]
+    flux2-fused kernel [--op OP] [--shapes AxT ...] [--no-compile] [--json FILE]
     (also python -m flux2_fused.bench.kernel)
 
 Sites (`--op`):
@@ -11,6 +11,8 @@ Sites (`--op`):
   out. Eager is diffusers' chain (RMSNorm modules, concat, RoPE, concat of v); fused is one kernel
   for q, one for k, and the same concat of v. The floor moves 12 bytes an element of q (read six
   bf16 inputs, write three outputs).
+- swiglu, shapes HxT: one feed-forward activation, the [B, T, 2H] projection in, [B, T, H] out; the
+  floor moves 6 bytes an output element.
 
 For each shape: the eager chain, the eager chain replayed from a CUDA graph, torch.compile of the
 chain (not bit-exact; for reference), and the fused version, plain and in a CUDA graph. Medians in
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..ops import bits_equal, qk_norm_rope
+from ..ops import bits_equal, qk_norm_rope, swiglu
 from ..ops.gated_resnorm import gated_resnorm, gated_resnorm_decline_reason, gated_resnorm_reference
 from ..ops.qk_norm_rope.selfcheck import HEAD_DIM, rope_tables
 from .report import KernelReport, KernelRow, check_output, format_kernel_table, write_json
@@ -47,6 +49,7 @@ DEFAULT_SHAPES = {
         "6144x8704",
     ],
     "qk_norm_rope": ["24x4608", "48x4608", "24x1536", "48x16896"],
+    "swiglu": ["9216x4608", "18432x4608", "9216x512", "18432x4096"],
 }
 L2_FLUSH_BYTES = 256 << 20
 GRAPH_REPEATS = 20
@@ -127,7 +130,20 @@ def qk_norm_rope_case(heads: int, tokens: int, batch: int, dtype: torch.dtype) -
     return Case(sets, eager, fused, 6 * elements * dtype.itemsize, width)
 
 
-CASES = {"gated_resnorm": gated_resnorm_case, "qk_norm_rope": qk_norm_rope_case}
+def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
+    """One feed-forward activation: the [B, T, 2H] projection in, [B, T, H] out."""
+
+    def make() -> tuple:
+        return (torch.randn(batch, tokens, 2 * hidden, device="cuda", dtype=dtype) * 4,)
+
+    elements = batch * tokens * hidden
+    sets = _sets(make, 3 * elements * dtype.itemsize)
+    if swiglu.decline_reason(*sets[0]) is not None:
+        raise RuntimeError(f"fused path declined H={hidden} T={tokens}")
+    return Case(sets, swiglu.reference.swiglu, swiglu.swiglu, 3 * elements * dtype.itemsize, hidden)
+
+
+CASES = {"gated_resnorm": gated_resnorm_case, "qk_norm_rope": qk_norm_rope_case, "swiglu": swiglu_case}
 
 
 def _rotating(fn, sets):
@@ -193,7 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         metavar="AxT",
         help="gated_resnorm: DxT items, e.g. 6144x4608; qk_norm_rope: HxT (heads x joint tokens), "
-        "e.g. 24x4608 (default: the op's headline shapes)",
+        "e.g. 24x4608; swiglu: HxT (hidden x tokens) (default: the op's headline shapes)",
     )
     parser.add_argument(
         "--batch", type=int, default=1, metavar="B", help="batch size B of [B, T, D] (default 1)"

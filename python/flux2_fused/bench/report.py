@@ -19,6 +19,8 @@ from ..errors import BadValue
 
 MODES = ("eager", "fused")
 SITES = ("fused", "norm", "elementwise", "other")
+# The step benchmark's split of a step's CUDA kernels (bench/step.py's kernel_class names them).
+KERNEL_CLASSES = ("gemm", "attention", "fused", "other")
 INACTIVE = "n/a (fast path inactive)"
 
 
@@ -241,6 +243,30 @@ class Timing:
 
 
 @dataclass
+class Breakdown:
+    """The CUDA kernels of one profiled step of one mode (torch.profiler), by kernel class: gemm
+    (cuBLAS / CUTLASS matrix products), attention (SDPA: flash, cuDNN, memory-efficient), fused (this
+    package's kernels) and other (the remaining eager kernels: elementwise, norms, copies, ...). It
+    says where a step's GPU time goes, so a speedup can be set against the share the fused ops touch.
+
+    - kernel_ms: summed kernel time in ms by class (keys: gemm, attention, fused, other)
+    - launches: kernel launches by the same classes
+    """
+
+    kernel_ms: dict[str, float]
+    launches: dict[str, int]
+
+    @property
+    def total_ms(self) -> float:
+        """Summed time of all the step's kernels: on one stream its GPU busy time, launch gaps excluded."""
+        return sum(self.kernel_ms.values())
+
+    @property
+    def total_launches(self) -> int:
+        return sum(self.launches.values())
+
+
+@dataclass
 class StepResult:
     """One config of `flux2-fused step` (its JSON is a list of these).
 
@@ -253,7 +279,9 @@ class StepResult:
     - pipelined: Timing of steps enqueued back to back, as a denoise loop runs them
     - eager_kernels: CUDA kernels an eager step launches
     - fused_kernels: CUDA kernels a fused step launches
-    - fused_kernel_launches: of those, launches of the fused kernel
+    - fused_kernel_launches: of those, launches of this package's fused kernels (all of them)
+    - eager_profile: Breakdown of the eager step's kernels (the profiled step that eager_kernels counts)
+    - fused_profile: Breakdown of the fused step's kernels (the profiled step that fused_kernels counts)
     - eager_sha256: SHA-256 of the eager step's output
     - fused_sha256: SHA-256 of the fused step's output
     - bit_exact: the two outputs are torch.equal
@@ -270,14 +298,20 @@ class StepResult:
     eager_kernels: int
     fused_kernels: int
     fused_kernel_launches: int
+    eager_profile: Breakdown
+    fused_profile: Breakdown
     eager_sha256: str
     fused_sha256: str
     bit_exact: bool
     compiled: bool = False
 
 
+_CLASS_LABELS = {"gemm": "GEMM", "attention": "attention", "fused": "fused", "other": "other"}
+
+
 def format_step_table(results: Sequence[StepResult], device: str, torch_version: str) -> str:
-    """The step benchmark's table, two rows (synchronized, pipelined) a config."""
+    """The step benchmark's tables: timings, two rows (synchronized, pipelined) a config; then the
+    kernel breakdown of one profiled step, two rows (eager, fused) a config."""
     compiled = "  torch.compile(model): bit-exact column compares two compiled graphs"
     title = f"GPU: {device}  torch {torch_version}  bf16, random weights" + (
         compiled if results and results[0].compiled else ""
@@ -318,7 +352,21 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
                     sha,
                 ]
             )
-    return f"{title}\n{markdown_table(headers, rows)}"
+    return "\n".join([title, markdown_table(headers, rows), "", format_breakdown_table(results)])
+
+
+def format_breakdown_table(results: Sequence[StepResult]) -> str:
+    """Where each mode's step spends its kernel time: GEMM and attention, which the fused path leaves
+    alone, against the fused kernels and the other eager kernels they replace."""
+    headers = ["config", "mode", "kernels"]
+    headers += [f"{_CLASS_LABELS[c]} ms (launches)" for c in KERNEL_CLASSES] + ["total kernel ms"]
+    rows = []
+    for r in results:
+        for mode, b in (("eager", r.eager_profile), ("fused", r.fused_profile)):
+            cells = [f"{b.kernel_ms[c]:.2f} ({b.launches[c]})" for c in KERNEL_CLASSES]
+            rows.append([r.config, mode, b.total_launches, *cells, f"{b.total_ms:.2f}"])
+    note = "(kernel time of one profiled step by kernel class, torch.profiler; the total is their sum)"
+    return f"{markdown_table(headers, rows)}\n{note}"
 
 
 # --------------------------------------------------------------------------- flux2-fused kernel
@@ -328,8 +376,8 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
 class KernelRow:
     """One site of `flux2-fused kernel`; times in us, medians.
 
-    - op: the fused op (gated_resnorm, qk_norm_rope)
-    - dim: D, the width of a row (the hidden size; for qk_norm_rope heads x 128)
+    - op: the fused op (gated_resnorm, qk_norm_rope, swiglu)
+    - dim: D, the width of a row (the hidden size; qk_norm_rope: heads x 128; swiglu: H)
     - tokens: T, tokens a sample
     - batch: B
     - eager_us: the eager chain, plain calls

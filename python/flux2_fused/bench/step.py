@@ -14,7 +14,9 @@ Two timings, each of N pairs (CUDA events):
 Each reports the median step time per mode, the speedup, the mean of the paired differences with
 its 95% confidence interval and how many pairs the fused step won. Also: CUDA kernel launches per
 step (torch.profiler), the fused-kernel launches, and the SHA-256 of both outputs (identical when
-the fused path is bit-exact).
+the fused path is bit-exact). The same profiled step of each mode is split by kernel class (GEMM,
+attention, fused, other; `kernel_class`) into kernel time and launches, printed as a second table:
+it shows how much of a step the fused ops can touch at all, GEMM and attention being the rest.
 
 With --compile both modes run through `torch.compile(model)` (one compiled graph per mode): the
 compiled tier, where the fused sites are flux2_fused operators and the fast-path-off graph uses
@@ -30,8 +32,9 @@ import argparse
 import functools
 import gc
 import hashlib
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -39,10 +42,29 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
-from .report import StepResult, Timing, check_output, format_step_table, write_json
+from .report import (
+    KERNEL_CLASSES,
+    Breakdown,
+    StepResult,
+    Timing,
+    check_output,
+    format_step_table,
+    write_json,
+)
 from .timing import event_ms
 
-FUSED_KERNEL = "gated_resnorm_kernel"
+# This package's CUDA kernels, by a part of their names the profiler shows; a new fused op adds its
+# kernel here, and both benchmarks (this one and bench/denoise.py) then count it as fused.
+FUSED_KERNELS = ("gated_resnorm_kernel", "qk_norm_rope_kernel", "swiglu_kernel")
+# The first pattern that matches a kernel's name gives its class, else "other". Fused comes first so
+# our kernels are never counted as anything else, and attention before gemm because the
+# memory-efficient SDPA kernels are CUTLASS kernels ("fmha_cutlassF_...").
+_KERNEL_CLASS_PATTERNS = (
+    ("fused", re.compile("|".join(map(re.escape, FUSED_KERNELS)))),
+    ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.IGNORECASE)),
+    # gemv: cuBLAS's matrix-vector kernels, which a linear over a single row (batch 1) may run.
+    ("gemm", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas", re.IGNORECASE)),
+)
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -50,13 +72,30 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
-def kernel_launches(fn: Callable[[], object]) -> tuple[int, int]:
-    """(all CUDA kernels, fused-kernel launches) that one call of `fn` runs, counted by torch.profiler."""
+def kernel_class(name: str) -> str:
+    """The class of a CUDA kernel, by its name: gemm, attention, fused or other (report.KERNEL_CLASSES)."""
+    return next((cls for cls, pattern in _KERNEL_CLASS_PATTERNS if pattern.search(name)), "other")
+
+
+def breakdown_of(kernels: Iterable[tuple[str, float]]) -> Breakdown:
+    """Kernel time (ms) and launches by class of (kernel name, duration in us) pairs; kept apart from
+    the profiler so the split can be tested without a GPU."""
+    kernel_ms, launches = dict.fromkeys(KERNEL_CLASSES, 0.0), dict.fromkeys(KERNEL_CLASSES, 0)
+    for name, us in kernels:
+        cls = kernel_class(name)
+        kernel_ms[cls] += us / 1e3
+        launches[cls] += 1
+    return Breakdown(kernel_ms=kernel_ms, launches=launches)
+
+
+def kernel_breakdown(fn: Callable[[], object]) -> Breakdown:
+    """The CUDA kernels (and device memcpy / memset, counted as other) that one call of `fn` runs,
+    by class, from torch.profiler: the launch counts and the time split come from the same step."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return len(kernels), sum(FUSED_KERNEL in e.name for e in kernels)
+    return breakdown_of((e.name, e.time_range.elapsed_us()) for e in kernels)
 
 
 def step_inputs(
@@ -123,8 +162,8 @@ def bench_config(
         outputs = {mode: run(mode) for mode in (False, True)}  # warm-up; the fused one self-checks
         synchronized = Timing.of(time_synchronized(run, steps))
         pipelined = Timing.of(time_pipelined(run, steps))
-        eager_kernels, _ = kernel_launches(lambda: run(False))
-        fused_kernels, fused_launches = kernel_launches(lambda: run(True))
+        eager_profile = kernel_breakdown(lambda: run(False))
+        fused_profile = kernel_breakdown(lambda: run(True))
     return StepResult(
         config=name,
         batch=batch,
@@ -133,9 +172,11 @@ def bench_config(
         txt_tokens=txt_tokens,
         synchronized=synchronized,
         pipelined=pipelined,
-        eager_kernels=eager_kernels,
-        fused_kernels=fused_kernels,
-        fused_kernel_launches=fused_launches,
+        eager_kernels=eager_profile.total_launches,
+        fused_kernels=fused_profile.total_launches,
+        fused_kernel_launches=fused_profile.launches["fused"],
+        eager_profile=eager_profile,
+        fused_profile=fused_profile,
         eager_sha256=tensor_sha256(outputs[False]),
         fused_sha256=tensor_sha256(outputs[True]),
         bit_exact=torch.equal(outputs[False], outputs[True]),

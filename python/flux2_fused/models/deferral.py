@@ -8,8 +8,8 @@ a block's public forward) calls `materialize`, which is the eager chain itself, 
 disabled fast path gives the same bits by the same code path.
 
 Every site reaches a kernel through its op's one entry point (`gated_resnorm.apply`,
-`qk_norm_rope.apply`) in eager mode, or the op's torch.library operators under torch.compile, where
-the guards cannot be traced.
+`qk_norm_rope.apply`, `swiglu.apply`) in eager mode, or the op's torch.library operators under
+torch.compile, where the guards cannot be traced.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops import gated_resnorm, qk_norm_rope
+from ..ops import gated_resnorm, qk_norm_rope, swiglu
 from ..ops.gated_resnorm import Segment
 
 # `residual + gate * update`, not yet computed: the op's gated segment (residual and update [B, T, D]).
@@ -148,3 +148,24 @@ class Fusion:
         if self._active():
             return qk_norm_rope.apply(rows, cos, sin, eps)
         return qk_norm_rope.reference.qk_norm_rope(rows, cos, sin, eps)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """`silu(a) * b` for x = [a, b]: one launch reading the projection in place where it accepts."""
+        if self._traced():
+            from ..ops.swiglu import library
+
+            return library.swiglu(x)
+        if self._active():
+            return swiglu.apply(x)
+        return swiglu.reference.swiglu(x)
+
+    def cat_swiglu(self, attn: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+        """`cat([attn, swiglu(mlp)], dim=-1)`, the single block's output-projection input: in eager
+        mode the activation is written straight into its half of the buffer (no second copy)."""
+        if not self._active():
+            return torch.cat([attn, self.swiglu(mlp)], dim=-1)
+        width = attn.shape[-1]
+        joint = attn.new_empty((*attn.shape[:-1], width + mlp.shape[-1] // 2))
+        joint[..., :width].copy_(attn)
+        swiglu.apply(mlp, out=joint[..., width:])
+        return joint

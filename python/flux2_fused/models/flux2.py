@@ -210,12 +210,6 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> to
     return out.permute(0, 2, 1, 3).flatten(2, 3)
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """`silu(a) * b` for x = [a, b] split in halves on the last dim."""
-    half = x.shape[-1] // 2
-    return F.silu(x[..., :half]) * x[..., half:]
-
-
 class Flux2PosEmbed(nn.Module):
     """RoPE tables from integer position ids, one band of channels per id axis.
 
@@ -286,13 +280,14 @@ class Flux2Modulation(nn.Module):
 class Flux2FeedForward(nn.Module):
     """SwiGLU MLP: linear_in D -> 2H, silu(a) * b, linear_out H -> D."""
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, *, fusion: Fusion) -> None:
         super().__init__()
         self.linear_in = nn.Linear(dim, 2 * hidden, bias=False)
         self.linear_out = nn.Linear(hidden, dim, bias=False)
+        self.fusion = fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_out(swiglu(self.linear_in(x)))
+        return self.linear_out(self.fusion.swiglu(self.linear_in(x)))
 
 
 class Flux2DoubleAttention(nn.Module):
@@ -359,7 +354,7 @@ class Flux2ParallelAttention(nn.Module):
         query = prologue(self.fusion, [(query, self.norm_q)], rope)
         key = prologue(self.fusion, [(key, self.norm_k)], rope)
         out = attention(query, key, value)
-        return self.to_out(torch.cat([out, swiglu(mlp)], dim=-1))
+        return self.to_out(self.fusion.cat_swiglu(out, mlp))
 
 
 class Flux2DoubleBlock(nn.Module):
@@ -378,9 +373,9 @@ class Flux2DoubleBlock(nn.Module):
         self.norm1_context = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.attn = Flux2DoubleAttention(dim, heads, head_dim, eps, fusion=fusion)
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
-        self.ff = Flux2FeedForward(dim, mlp_hidden)
+        self.ff = Flux2FeedForward(dim, mlp_hidden, fusion=fusion)
         self.norm2_context = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
-        self.ff_context = Flux2FeedForward(dim, mlp_hidden)
+        self.ff_context = Flux2FeedForward(dim, mlp_hidden, fusion=fusion)
         self.fusion = fusion
 
     def forward(

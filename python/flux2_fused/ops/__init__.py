@@ -1,6 +1,6 @@
 """Fused CUDA ops, one package each, every one bit-exact to the eager chain it replaces.
 
-Each op package (`gated_resnorm/`, `qk_norm_rope/`, ...) holds its eager reference (the contract),
+Each op package (`gated_resnorm/`, `qk_norm_rope/`, `swiglu/`) holds its eager reference (the contract),
 its guards, its launcher and kernel spec, its self-check and its torch.library operators, and exports
 one entry point that guards and launches, falling back to the reference. What every op shares lives beside
 them: `jit` (building and loading kernels), `runtime` (kill switch, self-check verdicts),
@@ -8,13 +8,13 @@ them: `jit` (building and loading kernels), `runtime` (kill switch, self-check v
 new op plugs in.
 """
 
-from . import gated_resnorm, qk_norm_rope
+from . import gated_resnorm, qk_norm_rope, swiglu
 from .bits import bits_equal, random_bits
 from .runtime import DISABLE_ENV, FusedOp, kill_switch, self_check_records
 
 # Every op with a kernel: `flux2-fused build` compiles their specs, `flux2-fused verify` runs their
 # self-checks.
-OPS: tuple[FusedOp, ...] = (gated_resnorm.OP, qk_norm_rope.OP)
+OPS: tuple[FusedOp, ...] = (gated_resnorm.OP, qk_norm_rope.OP, swiglu.OP)
 
 __all__ = [
     "DISABLE_ENV",
@@ -26,4 +26,5 @@ __all__ = [
     "qk_norm_rope",
     "random_bits",
     "self_check_records",
+    "swiglu",
 ]

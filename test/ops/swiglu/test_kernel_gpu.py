@@ -1,0 +1,101 @@
+"""GPU tests: the swiglu kernel equals eager bit for bit (run with `pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flux2_fused.ops import bits_equal, random_bits, self_check_records
+from flux2_fused.ops.swiglu import decline_reason, guards, reference, swiglu
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    g = torch.Generator(device="cuda")
+    g.seed()
+    return g
+
+
+def _rows(batch: int, tokens: int, hidden: int, dtype: torch.dtype, gen: torch.Generator, extra: int = 0):
+    """[B, S, 2H] (a view of a wider projection when extra > 0) across silu's whole range."""
+    wide = torch.randn(batch, tokens, extra + 2 * hidden, generator=gen, device="cuda") * 5
+    wide[:, 1::7] *= 30  # exp(-a) overflows for large negative a: silu -> -0
+    wide[:, 2::7] *= 1e-4
+    wide[:, 3::11, 5] = float("nan")
+    wide[:, 4::13, 6] = float("inf")
+    wide[:, 5::13, 7] = -float("inf")
+    return wide.to(dtype)[..., extra:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 7, 512, 4096])
+@pytest.mark.parametrize("hidden", [9216, 18432, 12, 1028])
+def test_dense_projection_bit_exact(hidden, tokens, batch, dtype, gen):
+    x = _rows(batch, tokens, hidden, dtype, gen)
+    assert decline_reason(x) is None
+    out = swiglu(x)
+    assert out.is_contiguous() and bits_equal(out, reference.swiglu(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [3, 4608])
+def test_single_block_layout_into_half_of_the_buffer(tokens, dtype, gen):
+    """The MLP part of one wide projection in, the second half of the output-projection input out:
+    equal to eager's `cat([attn, swiglu(mlp)])`."""
+    dim, hidden = 3072, 9216
+    mlp = _rows(1, tokens, hidden, dtype, gen, extra=3 * dim)
+    attn = torch.randn(1, tokens, dim, generator=gen, device="cuda").to(dtype)
+    joint = torch.empty(1, tokens, dim + hidden, device="cuda", dtype=dtype)
+    joint[..., :dim].copy_(attn)
+    swiglu(mlp, joint[..., dim:])
+    assert bits_equal(joint, torch.cat([attn, reference.swiglu(mlp)], dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_random_bit_patterns(dtype, gen):
+    for _ in range(4):
+        x = random_bits((3, 129, 2 * 1024), dtype, gen)
+        assert bits_equal(swiglu(x), reference.swiglu(x))
+
+
+def test_every_bf16_value(gen):
+    """silu(a) * b for all 65536 bf16 values of a, each against random b."""
+    a = torch.arange(-(2**15), 2**15, device="cuda", dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    b = torch.randn(a.numel(), generator=gen, device="cuda").to(torch.bfloat16)
+    x = torch.cat([a.view(-1, 1024), b.view(-1, 1024)], dim=-1)
+    assert bits_equal(swiglu(x), reference.swiglu(x))
+
+
+def test_follows_current_stream_and_graph_capture(gen):
+    x = _rows(1, 300, 9216, torch.bfloat16, gen)
+    assert guards.plain(x)  # the self-check runs here
+    expected = reference.swiglu(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = swiglu(x)
+    torch.cuda.current_stream().wait_stream(side)
+    assert bits_equal(out, expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = swiglu(x)
+    g_out.fill_(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bits_equal(g_out, expected)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tensors_on_a_device_other_than_the_current_one():
+    other = torch.device("cuda", 1)
+    with torch.cuda.device(0):
+        x = torch.randn(2, 33, 2 * 1024, device=other).to(torch.bfloat16)
+        assert guards.plain(x)
+        records = {key[:3]: record for key, record in self_check_records().items()}
+        assert records[("swiglu", "cuda:1", "bfloat16")].passed
+        out = swiglu(x)
+        assert torch.cuda.current_device() == 0 and out.device == other
+        assert bits_equal(out, reference.swiglu(x))
