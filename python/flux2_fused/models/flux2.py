@@ -191,7 +191,11 @@ def prologue(fusion: Fusion, parts: list[tuple[torch.Tensor, nn.RMSNorm]], rope:
     tokens (text first), rotated: one fused launch where the guards accept. A norm with hooks runs
     as a module call, so the hooks see it."""
     norms = [norm for _, norm in parts]
-    if any(_has_hooks(norm) for norm in norms) or len({norm.eps for norm in norms}) != 1:
+    if (
+        any(_has_hooks(norm) for norm in norms)
+        or len({norm.eps for norm in norms}) != 1
+        or norms[0].eps is None
+    ):
         normed = [norm(x) for x, norm in parts]
         return qk_norm_rope.reference.rope(torch.cat(normed, dim=1) if len(normed) > 1 else normed[0], *rope)
     return fusion.qk_norm_rope(

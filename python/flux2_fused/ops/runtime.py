@@ -73,6 +73,10 @@ def runtime_reason(op: FusedOp, device: torch.device, config: Hashable) -> str |
     except during CUDA graph capture, where it cannot run and the call declines instead."""
     if kill_switch():
         return f"disabled by {DISABLE_ENV}"
+    if torch.is_autocast_enabled(device.type):
+        # Autocast runs norms (layer_norm, rms_norm) in float32: eager's bits are then not the chain
+        # the kernels reproduce.
+        return "autocast is enabled (it changes the dtypes eager computes in)"
     key = (op.name, device, config)
     record = _records.get(key)
     if record is None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-ALIGN = 8  # bytes: the kernels and aten's vectorized paths move 4 x 16-bit elements at a time
+ALIGN = 8  # bytes: aten's vectorized paths (and most of our kernels) move 4 x 16-bit elements at a time
 
 Reason = str | None
 
@@ -34,18 +34,14 @@ def raise_for(reason: Reason) -> None:
         raise (TypeError if isinstance(reason, TypeReason) else ValueError)(f"flux2-fused: {reason}")
 
 
-def aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % ALIGN == 0
-
-
-def call_reason(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> Reason:
+def call_reason(names: Sequence[str], tensors: Sequence[torch.Tensor], align: int = ALIGN) -> Reason:
     """The checks that tensors with equal metadata can still fail: autograd and data alignment."""
     grad = torch.is_grad_enabled()
     for name, t in zip(names, tensors, strict=True):
         if grad and t.requires_grad:
             return f"{name} requires grad and the fused kernel has no backward"
-        if not aligned(t):
-            return f"{name} data pointer is not {ALIGN}-byte aligned"
+        if t.data_ptr() % align != 0:
+            return f"{name} data pointer is not {align}-byte aligned"
     return None
 
 
@@ -58,7 +54,8 @@ class Guard:
     """One op's guard over positional tensor arguments named `names`.
 
     metadata(*args) -> reason covers everything the arguments' metadata decides; runtime(*args) ->
-    reason asks the process state (kill switch, self-check) once the inputs are acceptable.
+    reason asks the process state (kill switch, self-check) once the inputs are acceptable; align is
+    the data-pointer alignment (bytes) the kernel's vector accesses need.
     """
 
     def __init__(
@@ -66,14 +63,16 @@ class Guard:
         names: tuple[str, ...],
         metadata: Callable[..., Reason],
         runtime: Callable[..., Reason],
+        align: int = ALIGN,
     ) -> None:
         self.names = names
         self.metadata = metadata
         self.runtime = runtime
+        self.align = align
 
     def input_reason(self, *args: Any) -> Reason:
         """Why the kernel cannot take these arguments, before any runtime state is asked."""
-        return self.metadata(*args) or call_reason(self.names, args)
+        return self.metadata(*args) or call_reason(self.names, args, self.align)
 
     def reason(self, *args: Any) -> Reason:
         """Why the guard declines these arguments (every check, no memo), or None when it accepts."""
@@ -93,7 +92,7 @@ class Guard:
                 if len(_verdicts) >= MAX_VERDICTS:
                     _verdicts.clear()
                 _verdicts[key] = accepted
-            if not accepted or call_reason(self.names, args) is not None:
+            if not accepted or call_reason(self.names, args, self.align) is not None:
                 return False
             return self.runtime(*args) is None
         except Exception:  # a guard must never be the reason a generation fails

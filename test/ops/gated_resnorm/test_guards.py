@@ -320,9 +320,14 @@ def _self_check_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(guards, "OP", failing)
 
 
+def _autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *device: True)
+
+
 # name -> (setup, reason, RuntimeWarnings over repeated calls)
 RUNTIME_CASES: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], str, int]] = {
     "kill switch": (_disable, f"disabled by {DISABLE_ENV}", 0),
+    "autocast": (_autocast, "autocast is enabled (it changes the dtypes eager computes in)", 0),
     "graph capture before the self-check": (
         _capturing,
         "configuration not yet self-checked, and checking is impossible during CUDA graph capture",

@@ -54,7 +54,7 @@ CASES: dict[str, tuple[tuple[Any, ...], str]] = {
         _args(
             x=as_cuda(torch.zeros(B, S, H * HEAD_DIM + 2, dtype=BF16))[..., 2:].unflatten(-1, (-1, HEAD_DIM))
         ),
-        "x row stride 386 is not a multiple of 4 elements",
+        "x row stride 386 is not a multiple of 8 elements",
     ),
     "batch stride": (
         _args(
@@ -64,7 +64,7 @@ CASES: dict[str, tuple[tuple[Any, ...], str]] = {
                 )
             )
         ),
-        f"x batch stride {S * H * HEAD_DIM + 2} is not a multiple of 4 elements",
+        f"x batch stride {S * H * HEAD_DIM + 2} is not a multiple of 8 elements",
     ),
     "cos not a tensor": (_args(cos=None), "cos is not a tensor"),
     "cos bf16": (_args(cos=_table(dtype=BF16)), "cos is torch.bfloat16, the RoPE tables are float32"),
@@ -97,7 +97,7 @@ CASES: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "misaligned": (
         _args(x=as_cuda(misaligned(B, S, H, HEAD_DIM))),
-        "x data pointer is not 8-byte aligned",
+        "x data pointer is not 16-byte aligned",
     ),
 }
 

@@ -77,6 +77,15 @@ def test_random_bit_patterns(dtype, gen):
         assert bits_equal(qk_norm_rope(rows, cos, sin), reference.qk_norm_rope(rows, cos, sin, 1e-6))
 
 
+def test_subnormal_squares_follow_aten(gen):
+    """bf16 heads of ~1e-21 have squares below fp32's normal range, where fma(x, x, s) and
+    s + x * x round differently; a subnormal eps keeps the difference visible in the output."""
+    x = (torch.randn(1, 64, 4, HEAD_DIM, generator=gen, device="cuda") * 1e-21).to(torch.bfloat16)
+    rows = [Segment(x, _weight(torch.bfloat16, gen))]
+    cos, sin = rope_tables(64, torch.device("cuda"), gen)
+    assert bits_equal(qk_norm_rope(rows, cos, sin, 1e-45), reference.qk_norm_rope(rows, cos, sin, 1e-45))
+
+
 def test_eps_reaches_the_norm(gen):
     x = _heads(1, 9, 2, torch.bfloat16, gen) * 1e-4
     rows = [Segment(x, _weight(torch.bfloat16, gen))]

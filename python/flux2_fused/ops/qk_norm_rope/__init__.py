@@ -46,6 +46,8 @@ def decline_reason(rows: Sequence[Segment], cos: torch.Tensor, sin: torch.Tensor
 
 def fused(rows: Sequence[Segment], cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor | None:
     """The joint rotated rows from one kernel launch, or None where the guards decline."""
+    if not isinstance(eps, float | int):  # eps=None means aten's own default, not ours to guess
+        return None
     for segment in rows:
         if not guards.segment(segment.x, segment.weight, cos, sin):
             return None

@@ -1,9 +1,10 @@
 """Why the qk_norm_rope kernel cannot take a segment: the checks, in words, and the boolean guard.
 
 The kernel reproduces eager for x [B, S, H, 128] views whose heads are dense (any row and batch
-stride that keeps 8-byte alignment: the single block's q and k are chunks of one wide projection),
+stride that keeps 16-byte alignment: the single block's q and k are chunks of one wide projection),
 a [128] RMSNorm weight of x's dtype, fp32 [S_total, 128] RoPE tables, one 16-bit float dtype on one
-CUDA device, 8-byte-aligned data and no autograd. Everything else declines to the eager chain.
+CUDA device, 16-byte-aligned data (the kernel moves 16 bytes a lane; aten's vectorized RMSNorm needs
+8) and no autograd. Everything else declines to the eager chain.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def _x_reason(x: Any) -> Reason:
     if x.stride(-1) != 1 or (x.shape[-2] > 1 and x.stride(-2) != HEAD_DIM):
         return "x heads are not dense (needs strides (..., 128, 1))"
     for axis, name in ((1, "row"), (0, "batch")):
-        if x.shape[axis] > 1 and x.stride(axis) % 4 != 0:
-            return f"x {name} stride {x.stride(axis)} is not a multiple of 4 elements"
+        if x.shape[axis] > 1 and x.stride(axis) % 8 != 0:
+            return f"x {name} stride {x.stride(axis)} is not a multiple of 8 elements"
     return None
 
 
@@ -72,7 +73,9 @@ def _runtime_reason(x: torch.Tensor, *_: Any) -> Reason:
     return runtime.runtime_reason(OP, x.device, Config(x.dtype))
 
 
-segment = Guard(("x", "weight", "cos", "sin"), lambda *args: _metadata_reason(*args), _runtime_reason)
+segment = Guard(
+    ("x", "weight", "cos", "sin"), lambda *args: _metadata_reason(*args), _runtime_reason, align=16
+)
 
 
 def segment_decline_reason(x: Any, weight: Any, cos: Any, sin: Any) -> Reason:
