@@ -12,7 +12,7 @@ import torch
 
 from flux2_fused.models.deferral import Fusion, PendingConcat, PendingGatedResidual, materialize
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
-from flux2_fused.ops import gated_resnorm as ops
+from flux2_fused.ops import gated_resnorm
 
 from .test_flux2 import TINY, image_ids, text_ids
 
@@ -29,7 +29,7 @@ def make_inputs(config: Flux2Config, batch: int, img_tokens: int, txt_tokens: in
     }
 
 
-_modnorm = ops.modnorm_reference  # the unpatched eager norm, for the fake kernel
+_modnorm = gated_resnorm.modnorm_reference  # the unpatched eager norm, for the fake kernel
 
 
 def fake_launch(segments, scale, shift, eps, *, write_residual):
@@ -54,10 +54,10 @@ def fused_cpu(monkeypatch):
         return _modnorm(*args, **kwargs)
 
     for name in ("gated", "defer", "plain"):
-        monkeypatch.setattr(ops.guards, name, lambda *a: True)
-    monkeypatch.setattr(ops, "launch", launch)
-    monkeypatch.setattr(ops.reference, "modnorm", counted_norm)
-    monkeypatch.setattr(ops, "modnorm_reference", counted_norm)
+        monkeypatch.setattr(gated_resnorm.guards, name, lambda *a: True)
+    monkeypatch.setattr(gated_resnorm, "launch", launch)
+    monkeypatch.setattr(gated_resnorm.reference, "modnorm", counted_norm)
+    monkeypatch.setattr(gated_resnorm, "modnorm_reference", counted_norm)
     return calls
 
 
@@ -82,7 +82,7 @@ def test_every_site_fused_and_output_unchanged(fused_cpu, batch):
 
 
 def test_declined_guards_run_eager(fused_cpu, monkeypatch):
-    monkeypatch.setattr(ops.guards, "gated", lambda *a: False)
+    monkeypatch.setattr(gated_resnorm.guards, "gated", lambda *a: False)
     model = _model(TINY)
     inputs = make_inputs(TINY, batch=2, img_tokens=9, txt_tokens=5)
     with torch.no_grad():
@@ -159,4 +159,4 @@ def test_real_guards_decline_on_cpu():
     fusion = Fusion()
     x, gate, update = torch.randn(1, 4, 8), torch.randn(1, 1, 8), torch.randn(1, 4, 8)
     assert isinstance(fusion.add(x, update, gate), torch.Tensor)
-    assert ops.defer_decline_reason(x, update, gate) is not None
+    assert gated_resnorm.defer_decline_reason(x, update, gate) is not None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
-from flux2_fused.ops import gated_resnorm as ops
+from flux2_fused.ops import gated_resnorm
 
 from .test_flux2 import TINY, diffusers_model, image_ids, text_ids
 
@@ -41,7 +41,7 @@ def _inputs(config: Flux2Config, batch: int, img: int, txt: int, dtype: torch.dt
 
 def _launch_counter(monkeypatch) -> dict:
     calls = {"launch": 0, "eager_norm": 0}
-    launch, eager_norm = ops.launch, ops.modnorm_reference
+    launch, eager_norm = gated_resnorm.launch, gated_resnorm.modnorm_reference
 
     def counted_launch(*args, **kwargs):
         calls["launch"] += 1
@@ -51,9 +51,9 @@ def _launch_counter(monkeypatch) -> dict:
         calls["eager_norm"] += 1
         return eager_norm(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "launch", counted_launch)
-    monkeypatch.setattr(ops, "modnorm_reference", counted_norm)
-    monkeypatch.setattr(ops.reference, "modnorm", counted_norm)
+    monkeypatch.setattr(gated_resnorm, "launch", counted_launch)
+    monkeypatch.setattr(gated_resnorm, "modnorm_reference", counted_norm)
+    monkeypatch.setattr(gated_resnorm.reference, "modnorm", counted_norm)
     return calls
 
 
