@@ -104,6 +104,7 @@ def build(site: Site, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
 
 @pytest.fixture(scope="module")
 def gen() -> torch.Generator:
+    """Module-scoped (hypothesis refuses function-scoped fixtures in @given tests); still freshly seeded."""
     g = torch.Generator(device="cuda")
     g.seed()
     return g

@@ -8,10 +8,7 @@ fails if it holds a decline reason that no case here produces, so a new reason n
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
-import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +28,7 @@ from flux2_fused.ops.gated_resnorm import (
 )
 from flux2_fused.ops.verdicts import TypeReason
 
-from ..conftest import as_cuda, misaligned
+from ..conftest import as_cuda, misaligned, reason_templates, untested
 from .conftest import GUARDS, check_guard, flux2_inputs
 
 B, T, D = 2, 5, 8
@@ -558,44 +555,10 @@ def test_guards_never_raise_even_when_checking_does(kind: str, monkeypatch: pyte
     assert guard.check(*inputs(kind, cuda=True)) is False
 
 
-def _reason_templates() -> list[str]:
-    """Every message a `*reason` function or method of the modules that decide a gated_resnorm call
-    (its entry point, its guards, the shared guard machinery and runtime) can return, as a regex."""
-
-    def strings(node: ast.AST | None) -> list[ast.AST]:
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            return [node]
-        if isinstance(node, ast.JoinedStr):
-            return [node]
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "TypeReason":
-            return [s for arg in node.args for s in strings(arg)]
-        if isinstance(node, ast.IfExp):
-            return strings(node.body) + strings(node.orelse)
-        if isinstance(node, ast.BoolOp):
-            return [s for value in node.values for s in strings(value)]
-        return []
-
-    def regex(node: ast.AST) -> str:
-        if isinstance(node, ast.Constant):
-            return re.escape(node.value)
-        assert isinstance(node, ast.JoinedStr)
-        return "".join(re.escape(v.value) if isinstance(v, ast.Constant) else "(.*)" for v in node.values)
-
-    modules = (gated_resnorm, guards, verdicts, runtime)
-    tree = ast.parse("\n".join(inspect.getsource(module) for module in modules))
-    functions = [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.endswith("reason")
-    ]
-    returns = [node for fn in functions for node in ast.walk(fn) if isinstance(node, ast.Return)]
-    return sorted({regex(s) for r in returns for s in strings(r.value)})
-
-
 def test_every_decline_reason_in_the_module_has_a_case() -> None:
     produced = [case.reason for case in CASES.values()] + [reason for _, reason, _ in RUNTIME_CASES.values()]
     produced += list(ROWS_CASES.values())
-    templates = _reason_templates()
+    templates = reason_templates(gated_resnorm, guards, verdicts, runtime)
     assert len(templates) >= 15  # the walk found the reasons at all
-    untested = [t for t in templates if not any(re.fullmatch(t, message) for message in produced)]
-    assert not untested, f"decline reasons without a test case: {untested}"
+    missing = untested(templates, produced)
+    assert not missing, f"decline reasons without a test case: {missing}"

@@ -43,13 +43,6 @@ def _modulation(batch: int, dim: int, dtype: torch.dtype, layout: str, gen: torc
     return gate, scale, shift
 
 
-@pytest.fixture
-def gen() -> torch.Generator:
-    g = torch.Generator(device="cuda")
-    g.seed()  # fresh random data every run
-    return g
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("layout", ["strided", "broadcast"])
 @pytest.mark.parametrize("batch", [1, 2])

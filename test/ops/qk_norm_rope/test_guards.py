@@ -3,8 +3,6 @@ validated op's errors, garbage that never raises, and the entry point's fallback
 
 from __future__ import annotations
 
-import ast
-import inspect
 import re
 from typing import Any
 
@@ -15,7 +13,7 @@ from flux2_fused.ops import qk_norm_rope, runtime, verdicts
 from flux2_fused.ops.qk_norm_rope import HEAD_DIM, Segment, decline_reason, guards, segment_decline_reason
 from flux2_fused.ops.verdicts import TypeReason
 
-from ..conftest import as_cuda, misaligned
+from ..conftest import as_cuda, misaligned, reason_templates, untested
 
 B, S, H = 2, 5, 3
 BF16 = torch.bfloat16
@@ -195,33 +193,9 @@ def test_apply_on_the_cpu_is_the_eager_chain() -> None:
         )
 
 
-def _reason_templates() -> list[str]:
-    """Every string a `*reason` function of the guards or the entry point returns, as a regex."""
-
-    def strings(node: ast.AST | None) -> list[ast.AST]:
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            return [node]
-        if isinstance(node, ast.JoinedStr):
-            return [node]
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "TypeReason":
-            return [s for arg in node.args for s in strings(arg)]
-        return []
-
-    def regex(node: ast.AST) -> str:
-        if isinstance(node, ast.Constant):
-            return re.escape(node.value)
-        assert isinstance(node, ast.JoinedStr)
-        return "".join(re.escape(v.value) if isinstance(v, ast.Constant) else "(.*)" for v in node.values)
-
-    tree = ast.parse(inspect.getsource(guards) + "\n" + inspect.getsource(qk_norm_rope))
-    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.endswith("reason")]
-    returns = [node for fn in functions for node in ast.walk(fn) if isinstance(node, ast.Return)]
-    return sorted({regex(s) for r in returns for s in strings(r.value)})
-
-
 def test_every_decline_reason_has_a_case() -> None:
     produced = [reason for _, reason in CASES.values()] + [reason for _, reason in ROWS_CASES.values()]
-    templates = _reason_templates()
+    templates = reason_templates(guards, qk_norm_rope)
     assert len(templates) >= 15
-    untested = [t for t in templates if not any(re.fullmatch(t, message) for message in produced)]
-    assert not untested, f"decline reasons without a test case: {untested}"
+    missing = untested(templates, produced)
+    assert not missing, f"decline reasons without a test case: {missing}"

@@ -12,13 +12,6 @@ from flux2_fused.ops.qk_norm_rope.selfcheck import rope_tables
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def gen() -> torch.Generator:
-    g = torch.Generator(device="cuda")
-    g.seed()
-    return g
-
-
 def _heads(batch: int, tokens: int, heads: int, dtype: torch.dtype, gen: torch.Generator, width: int = 1):
     """[B, S, H, 128] rows with scaled, constant, zero and non-finite heads mixed in; width > 1 makes
     it a chunk of a wider projection, as in the single block."""

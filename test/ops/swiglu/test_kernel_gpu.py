@@ -11,13 +11,6 @@ from flux2_fused.ops.swiglu import decline_reason, guards, reference, swiglu
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def gen() -> torch.Generator:
-    g = torch.Generator(device="cuda")
-    g.seed()
-    return g
-
-
 def _rows(batch: int, tokens: int, hidden: int, dtype: torch.dtype, gen: torch.Generator, extra: int = 0):
     """[B, S, 2H] (a view of a wider projection when extra > 0) across silu's whole range."""
     wide = torch.randn(batch, tokens, extra + 2 * hidden, generator=gen, device="cuda") * 5

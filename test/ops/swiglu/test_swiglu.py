@@ -3,8 +3,6 @@ message, the validated op's errors, garbage never raises, the fallback on the CP
 
 from __future__ import annotations
 
-import ast
-import inspect
 import re
 from typing import Any
 
@@ -15,7 +13,7 @@ from flux2_fused.ops import swiglu
 from flux2_fused.ops.swiglu import decline_reason, guards, library, reference
 from flux2_fused.ops.verdicts import TypeReason
 
-from ..conftest import as_cuda, misaligned
+from ..conftest import as_cuda, misaligned, reason_templates, untested
 
 flux2 = pytest.importorskip("diffusers.models.transformers.transformer_flux2")
 B, S, H = 2, 5, 8
@@ -143,26 +141,8 @@ def test_operator_opcheck_and_gradients_cpu(dtype: torch.dtype) -> None:
 
 
 def test_every_decline_reason_has_a_case() -> None:
-    tree = ast.parse(inspect.getsource(guards))
-    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.endswith("reason")]
-    strings = [
-        node
-        for fn in functions
-        for ret in ast.walk(fn)
-        if isinstance(ret, ast.Return)
-        for node in ast.walk(ret)
-        if isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant) and isinstance(node.value, str))
-    ]
-    templates = {
-        re.escape(s.value)
-        if isinstance(s, ast.Constant)
-        else "".join(re.escape(v.value) if isinstance(v, ast.Constant) else "(.*)" for v in s.values)
-        for s in strings
-        if not (
-            isinstance(s, ast.Constant)
-            and s in [v for j in strings if isinstance(j, ast.JoinedStr) for v in j.values]
-        )
-    }
     produced = [reason for _, reason in CASES.values()] + ["out shares storage with x"]
-    untested = [t for t in templates if not any(re.fullmatch(t, message) for message in produced)]
-    assert len(templates) >= 10 and not untested, untested
+    templates = reason_templates(guards)
+    assert len(templates) >= 10
+    missing = untested(templates, produced)
+    assert not missing, f"decline reasons without a test case: {missing}"

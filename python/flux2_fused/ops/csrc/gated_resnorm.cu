@@ -11,6 +11,7 @@
 
 #include <cuda_runtime.h>
 
+#include "entry.cuh"
 #include "gated_resnorm.cuh"
 
 namespace flux2_fused {
@@ -18,11 +19,6 @@ namespace {
 
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
-
-template <typename T>
-const T* ptr(const TensorView& t) {
-  return reinterpret_cast<const T*>(static_cast<const char*>(t.data_ptr()) + t.byte_offset());
-}
 
 // Streams are [B, T, D] or [T, D] (one batch); modulation rows are [D], [B|1, D] or [B|1, 1, D].
 // Any batch and row strides, unit inner stride: FLUX.2's modulation chunks are strided views.
@@ -51,15 +47,15 @@ Segment<T> make_segment(const TensorView& r, const Optional<TensorView>& u, cons
       << "both segments need update and gate, or neither";
   Segment<T> s{};
   const RowLayout rl = stream_layout(r, "residual");
-  s.residual = ptr<T>(r);
+  s.residual = data<const T>(r);
   s.residual_batch_stride = rl.batch_stride;
   s.residual_row_stride = rl.row_stride;
   if (gated) {
     const RowLayout ul = stream_layout(*u, "update");
-    s.update = ptr<T>(*u);
+    s.update = data<const T>(*u);
     s.update_batch_stride = ul.batch_stride;
     s.update_row_stride = ul.row_stride;
-    s.gate = ptr<T>(*g);
+    s.gate = data<const T>(*g);
     s.gate_batch_stride = modulation_batch_stride(*g, dim, "gate");
   }
   return s;
@@ -117,13 +113,10 @@ void run(TensorView out, Optional<TensorView> residual_out, TensorView scale, Te
   p.seg[1] = r1.has_value() ? make_segment<T>(*r1, u1, g1, dim, gated) : p.seg[0];
   p.split = r1.has_value() ? r0.size(-2) : tokens;
   p.rows_per_batch = tokens;
-  p.out = static_cast<T*>(const_cast<void*>(static_cast<const void*>(ptr<T>(out))));
-  p.residual_out =
-      residual_out.has_value()
-          ? static_cast<T*>(const_cast<void*>(static_cast<const void*>(ptr<T>(*residual_out))))
-          : nullptr;
-  p.scale = ptr<T>(scale);
-  p.shift = ptr<T>(shift);
+  p.out = data<T>(out);
+  p.residual_out = residual_out.has_value() ? data<T>(*residual_out) : nullptr;
+  p.scale = data<const T>(scale);
+  p.shift = data<const T>(shift);
   p.scale_batch_stride = modulation_batch_stride(scale, dim, "scale");
   p.shift_batch_stride = modulation_batch_stride(shift, dim, "shift");
   p.dim = static_cast<int32_t>(dim);
@@ -136,9 +129,7 @@ void run(TensorView out, Optional<TensorView> residual_out, TensorView scale, Te
   const DLDevice dev = out.device();
   for (const Optional<TensorView>& t : {Optional<TensorView>(scale), Optional<TensorView>(shift),
                                           Optional<TensorView>(r0), residual_out, u0, g0, r1, u1, g1}) {
-    TVM_FFI_ICHECK(!t.has_value() || ((*t).device().device_type == dev.device_type &&
-                                      (*t).device().device_id == dev.device_id))
-        << "every tensor must be on the output's device";
+    if (t.has_value()) check_device(*t, dev);
   }
   tvm::ffi::CUDADeviceGuard device_guard(dev.device_id);
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));

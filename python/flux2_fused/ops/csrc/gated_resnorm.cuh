@@ -9,7 +9,7 @@
 // in vector order; a shuffle-down tree over each warp; then (w0 + w2), (w1 + w3), and their sum.
 // Every floating-point op is written with an explicit-rounding intrinsic so that no compiler
 // contraction can change a bit; the module must be built without --use_fast_math. The elementwise
-// steps run as packed T-pair instructions where that is provably the same (Vec4 below): at these
+// steps run as packed T-pair instructions where that is provably the same (argued below): at these
 // byte counts the kernel was issue-bound, and packed math halves its instructions (the README's
 // kernel table has the measurements).
 //
@@ -18,17 +18,15 @@
 // (optional) + out; gate/scale/shift rows are L2-resident broadcasts.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cstdint>
+#include "common.cuh"
 
 namespace flux2_fused {
 
 constexpr int kThreads = 128;  // aten: block (32, 4), one row per block
 constexpr int kWarps = kThreads / 32;
 
-// ---- element type helpers ----
-// Vec4<T>::add and ::mul round the exact sum or product of two T values to T once; eager rounds it
+// ---- packed T-pair math ----
+// Elem<T>::add and ::mul round the exact sum or product of two T values to T once; eager rounds it
 // to fp32 first and then to T. For T = bf16 or fp16 (p = 8 or 11 significant bits) the two always
 // agree, NaN payloads aside, so the kernel may use the packed T instructions:
 // - sum: the fp32 sum is exact while the exponents differ by at most 23 - p (a carry can add one
@@ -41,46 +39,10 @@ constexpr int kWarps = kThreads / 32;
 //   is at most 255^2 = 65025 units of its last place, too few bits for that (docs/numerics.md).
 // - overflow: T's overflow threshold is an fp32 value, and fp32 rounding cannot cross it.
 // Checked on the GPU with every bf16 bit pattern class: subnormal products, scale near -1, random
-// bits including NaN and Inf in all five inputs (test/ops/test_gated_resnorm_gpu.py).
+// bits including NaN and Inf in all five inputs (test/ops/gated_resnorm/test_kernel_gpu.py).
+// Elem<T>::add and ::mul (common.cuh) are the packed instructions argued for above.
 template <typename T>
-struct Vec4;  // four elements, 8 bytes: the unit aten's vectorized kernel and ours load per thread
-
-template <>
-struct Vec4<__nv_bfloat16> {
-  using Pair = __nv_bfloat162;
-  // bf16 -> float is the 16 bits moved up over zeros: one shift or one mask.
-  static __device__ __forceinline__ uint32_t bits(Pair p) { return *reinterpret_cast<const uint32_t*>(&p); }
-  static __device__ __forceinline__ float lo(Pair p) { return __uint_as_float(bits(p) << 16); }
-  static __device__ __forceinline__ float hi(Pair p) { return __uint_as_float(bits(p) & 0xffff0000u); }
-  static __device__ __forceinline__ Pair pack(float a, float b) {
-    return __halves2bfloat162(__float2bfloat16_rn(a), __float2bfloat16_rn(b));
-  }
-  static __device__ __forceinline__ Pair add(Pair a, Pair b) { return __hadd2_rn(a, b); }
-  static __device__ __forceinline__ Pair mul(Pair a, Pair b) { return __hmul2_rn(a, b); }
-  static __device__ __forceinline__ Pair ones() { return __float2bfloat162_rn(1.0f); }
-};
-
-template <>
-struct Vec4<__half> {
-  using Pair = __half2;
-  static __device__ __forceinline__ float lo(Pair p) { return __low2float(p); }
-  static __device__ __forceinline__ float hi(Pair p) { return __high2float(p); }
-  static __device__ __forceinline__ Pair pack(float a, float b) {
-    return __halves2half2(__float2half_rn(a), __float2half_rn(b));
-  }
-  static __device__ __forceinline__ Pair add(Pair a, Pair b) { return __hadd2_rn(a, b); }
-  static __device__ __forceinline__ Pair mul(Pair a, Pair b) { return __hmul2_rn(a, b); }
-  static __device__ __forceinline__ Pair ones() { return __float2half2_rn(1.0f); }
-};
-
-// Four T values as two packed pairs in one 8-byte register pair.
-template <typename T>
-struct alignas(8) Packed4 {
-  typename Vec4<T>::Pair p[2];
-  __device__ __forceinline__ float get(int i) const {
-    return (i & 1) ? Vec4<T>::hi(p[i >> 1]) : Vec4<T>::lo(p[i >> 1]);
-  }
-};
+using Packed4 = Packed<T, 2>;  // four elements, 8 bytes: the unit aten's vectorized kernel and ours load
 
 // Row pointers are pre-offset by the thread's first vector, so the j-th vector sits at a
 // compile-time offset (j * 128 vectors) and every load and store uses one base register.
@@ -209,7 +171,7 @@ struct RowRef {
 // bounds predicate and folds the Welford counts to constants.
 template <typename T, int kVecs, bool kGated, bool kFull>
 __global__ void __launch_bounds__(kThreads) gated_resnorm_kernel(const Params<T> p) {
-  using V = Vec4<T>;
+  using V = Elem<T>;
   // Past 12 vectors a thread, holding the gate too costs more occupancy than its early load gains.
   constexpr bool kGateUpfront = kVecs <= 12;
   const int tid = threadIdx.x;

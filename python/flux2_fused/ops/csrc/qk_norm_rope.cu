@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include "entry.cuh"
 #include "qk_norm_rope.cuh"
 
 namespace flux2_fused {
@@ -18,16 +19,6 @@ namespace {
 
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
-
-template <typename T>
-const T* ptr(const TensorView& t) {
-  return reinterpret_cast<const T*>(static_cast<const char*>(t.data_ptr()) + t.byte_offset());
-}
-
-void check_device(const TensorView& t, DLDevice dev) {
-  TVM_FFI_ICHECK(t.device().device_type == dev.device_type && t.device().device_id == dev.device_id)
-      << "every tensor must be on the output's device";
-}
 
 template <typename T>
 Segment<T> make_segment(const TensorView& x, const TensorView& weight, int64_t batch, int64_t heads,
@@ -39,7 +30,7 @@ Segment<T> make_segment(const TensorView& x, const TensorView& weight, int64_t b
       << "weight must be a dense [128] vector";
   check_device(x, dev);
   check_device(weight, dev);
-  return Segment<T>{ptr<T>(x), ptr<T>(weight), batch == 1 ? 0 : x.stride(0), x.stride(1)};
+  return Segment<T>{data<const T>(x), data<const T>(weight), batch == 1 ? 0 : x.stride(0), x.stride(1)};
 }
 
 template <typename T>
@@ -60,9 +51,9 @@ void run(TensorView out, TensorView x0, TensorView w0, Optional<TensorView> x1, 
         << "cos and sin must be contiguous float32 [S, 128]";
     check_device(*t, dev);
   }
-  p.cos = ptr<float>(cos);
-  p.sin = ptr<float>(sin);
-  p.out = static_cast<T*>(const_cast<void*>(static_cast<const void*>(ptr<T>(out))));
+  p.cos = data<const float>(cos);
+  p.sin = data<const float>(sin);
+  p.out = data<T>(out);
   p.tokens = tokens;
   p.heads = static_cast<int32_t>(heads);
   p.eps = static_cast<float>(eps);

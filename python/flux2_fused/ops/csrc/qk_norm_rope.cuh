@@ -19,9 +19,7 @@
 // then image rows of a double block), each with its own strides and RMSNorm weight.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cstdint>
+#include "common.cuh"
 
 namespace flux2_fused {
 namespace qk_norm_rope {
@@ -33,38 +31,7 @@ constexpr int kHalves = 2 * kWarps;  // half-warps in a block, one head row each
 constexpr int kRowsInFlight = 6;      // head rows a half-warp loads before it computes
 
 template <typename T>
-struct Elem;
-
-template <>
-struct Elem<__nv_bfloat16> {
-  using Pair = __nv_bfloat162;
-  static __device__ __forceinline__ float lo(Pair p) { return __low2float(p); }
-  static __device__ __forceinline__ float hi(Pair p) { return __high2float(p); }
-  static __device__ __forceinline__ Pair pack(float a, float b) {
-    return __halves2bfloat162(__float2bfloat16_rn(a), __float2bfloat16_rn(b));
-  }
-  static __device__ __forceinline__ float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-};
-
-template <>
-struct Elem<__half> {
-  using Pair = __half2;
-  static __device__ __forceinline__ float lo(Pair p) { return __low2float(p); }
-  static __device__ __forceinline__ float hi(Pair p) { return __high2float(p); }
-  static __device__ __forceinline__ Pair pack(float a, float b) {
-    return __halves2half2(__float2half_rn(a), __float2half_rn(b));
-  }
-  static __device__ __forceinline__ float round(float v) { return __half2float(__float2half_rn(v)); }
-};
-
-// Eight T values, 16 bytes: one lane's share of a head row.
-template <typename T>
-struct alignas(16) Oct {
-  typename Elem<T>::Pair p[4];
-  __device__ __forceinline__ float get(int i) const {
-    return (i & 1) ? Elem<T>::hi(p[i >> 1]) : Elem<T>::lo(p[i >> 1]);
-  }
-};
+using Oct = Packed<T, 4>;  // eight elements, 16 bytes: one lane's share of a head row
 
 template <typename T>
 struct Segment {

@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include "entry.cuh"
 #include "swiglu.cuh"
 
 namespace flux2_fused {
@@ -15,11 +16,6 @@ namespace swiglu {
 namespace {
 
 using tvm::ffi::TensorView;
-
-template <typename T>
-T* ptr(const TensorView& t) {
-  return reinterpret_cast<T*>(static_cast<char*>(t.data_ptr()) + t.byte_offset());
-}
 
 // (batch stride, row stride) of a [B, S, C] or [S, C] view with unit inner stride.
 void row_layout(const TensorView& t, int64_t* batch_stride, int64_t* row_stride) {
@@ -35,11 +31,10 @@ void run(TensorView out, TensorView x) {
   for (int d = 0; d + 1 < x.ndim(); ++d) TVM_FFI_ICHECK(out.size(d) == x.size(d)) << "out and x rows differ";
   TVM_FFI_ICHECK(out.size(-1) % 4 == 0) << "H must be a multiple of 4";
   const DLDevice dev = out.device();
-  TVM_FFI_ICHECK(x.device().device_type == dev.device_type && x.device().device_id == dev.device_id)
-      << "x and out must be on one device";
+  check_device(x, dev);
   Params<T> p{};
-  p.x = ptr<T>(x);
-  p.out = ptr<T>(out);
+  p.x = data<const T>(x);
+  p.out = data<T>(out);
   row_layout(x, &p.x_batch_stride, &p.x_row_stride);
   row_layout(out, &p.out_batch_stride, &p.out_row_stride);
   p.rows_per_batch = x.size(-2);

@@ -12,9 +12,7 @@
 // the row's H outputs, with up to kUnroll of them in flight.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cstdint>
+#include "common.cuh"
 
 namespace flux2_fused {
 namespace swiglu {
@@ -23,35 +21,7 @@ constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 
 template <typename T>
-struct Elem;
-
-template <>
-struct Elem<__nv_bfloat16> {
-  using Pair = __nv_bfloat162;
-  static __device__ __forceinline__ float lo(Pair p) { return __low2float(p); }
-  static __device__ __forceinline__ float hi(Pair p) { return __high2float(p); }
-  static __device__ __forceinline__ __nv_bfloat16 round(float v) { return __float2bfloat16_rn(v); }
-  static __device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ Pair pair(__nv_bfloat16 a, __nv_bfloat16 b) { return __halves2bfloat162(a, b); }
-};
-
-template <>
-struct Elem<__half> {
-  using Pair = __half2;
-  static __device__ __forceinline__ float lo(Pair p) { return __low2float(p); }
-  static __device__ __forceinline__ float hi(Pair p) { return __high2float(p); }
-  static __device__ __forceinline__ __half round(float v) { return __float2half_rn(v); }
-  static __device__ __forceinline__ float widen(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ Pair pair(__half a, __half b) { return __halves2half2(a, b); }
-};
-
-template <typename T>
-struct alignas(8) Quad {
-  typename Elem<T>::Pair p[2];
-  __device__ __forceinline__ float get(int i) const {
-    return (i & 1) ? Elem<T>::hi(p[i >> 1]) : Elem<T>::lo(p[i >> 1]);
-  }
-};
+using Quad = Packed<T, 2>;  // four elements, 8 bytes
 
 template <typename T>
 struct Params {
@@ -63,11 +33,11 @@ struct Params {
   int32_t hidden;           // H, a multiple of 4
 };
 
-// silu(a) * b for one element, each aten op's rounding in place.
+// silu(a) * b for one element before its final rounding to T: silu rounded to T, then the product.
 template <typename T>
-__device__ __forceinline__ T silu_mul(float a, float b) {
+__device__ __forceinline__ float silu_mul(float a, float b) {
   const float silu = __fdiv_rn(a, __fadd_rn(1.0f, expf(-a)));
-  return Elem<T>::round(__fmul_rn(Elem<T>::widen(Elem<T>::round(silu)), b));
+  return __fmul_rn(Elem<T>::round(silu), b);
 }
 
 template <typename T>
@@ -98,7 +68,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_kernel(const Params<T> p) {
         Quad<T> o;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          o.p[h] = Elem<T>::pair(silu_mul<T>(a[u].get(2 * h), b[u].get(2 * h)),
+          o.p[h] = Elem<T>::pack(silu_mul<T>(a[u].get(2 * h), b[u].get(2 * h)),
                                  silu_mul<T>(a[u].get(2 * h + 1), b[u].get(2 * h + 1)));
         }
         reinterpret_cast<uint2*>(out_row)[v] = *reinterpret_cast<const uint2*>(&o);
