@@ -45,6 +45,13 @@ def materialize(stream: Stream) -> torch.Tensor:
     return stream if isinstance(stream, torch.Tensor) else stream.materialize()
 
 
+def stream_dtype(x: Stream) -> torch.dtype:
+    """The dtype the stream has once materialized."""
+    if isinstance(x, PendingConcat):
+        return stream_dtype(x.first)
+    return x.dtype if isinstance(x, torch.Tensor) else x.residual.dtype
+
+
 def stream_rows(x: Stream, start: int) -> Stream:
     """Tokens [start:] of a stream; a pending update stays pending, so only those rows are ever
     computed (elementwise, so they equal the same rows of the whole stream bit for bit)."""

@@ -25,7 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flux2_fused.models.deferral import Fusion, PendingConcat, Stream, materialize, stream_rows
+from flux2_fused.models.blocks import (
+    Rope,
+    double_attention,
+    double_block,
+    feed_forward,
+    has_hooks,
+    output_norm,
+    parallel_attention,
+    single_block,
+)
+from flux2_fused.models.deferral import Fusion, PendingConcat, Stream, materialize, stream_dtype, stream_rows
 from flux2_fused.models.weights import (
     CONFIG_NAME,
     WeightsError,
@@ -34,10 +44,6 @@ from flux2_fused.models.weights import (
     shard_files,
     stream_into,
 )
-from flux2_fused.ops import qk_norm_rope
-
-# (cos, sin) RoPE tables, [S_txt + S_img, head_dim] each, text rows first.
-Rope = tuple[torch.Tensor, torch.Tensor]
 
 # Devices without fp64, where diffusers builds its RoPE tables in fp32 instead.
 _NO_FP64_DEVICES = frozenset({"mps", "npu", "neuron"})
@@ -168,12 +174,6 @@ def text_ids(tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.stack([zeros, zeros, zeros, index], dim=-1)
 
 
-def split_modulation(mod: torch.Tensor, sets: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Split a [B, 3*sets*D] modulation into `sets` (shift, scale, gate) triples of [B, 1, D] views."""
-    chunks = mod.unsqueeze(1).chunk(3 * sets, dim=-1)
-    return [(chunks[3 * i], chunks[3 * i + 1], chunks[3 * i + 2]) for i in range(sets)]
-
-
 def timestep_sinusoid(t: torch.Tensor, channels: int, max_period: float = 10000.0) -> torch.Tensor:
     """[B] -> [B, channels] fp32 embedding `[cos(t * f), sin(t * f)]`, f = max_period ** (-k / (channels/2)).
 
@@ -184,34 +184,6 @@ def timestep_sinusoid(t: torch.Tensor, channels: int, max_period: float = 10000.
     freqs = torch.exp(exponent / half)
     angles = t[:, None].float() * freqs[None, :]
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
-
-
-def prologue(fusion: Fusion, parts: list[tuple[torch.Tensor, nn.RMSNorm]], rope: Rope) -> torch.Tensor:
-    """q or k for attention: each part's heads [B, S, H, hd] through its RMSNorm, concatenated along
-    tokens (text first), rotated: one fused launch where the guards accept. A norm with hooks runs
-    as a module call, so the hooks see it."""
-    norms = [norm for _, norm in parts]
-    if (
-        any(_has_hooks(norm) for norm in norms)
-        or len({norm.eps for norm in norms}) != 1
-        or norms[0].eps is None
-    ):
-        normed = [norm(x) for x, norm in parts]
-        return qk_norm_rope.reference.rope(torch.cat(normed, dim=1) if len(normed) > 1 else normed[0], *rope)
-    return fusion.qk_norm_rope(
-        [qk_norm_rope.Segment(x, norm.weight) for x, norm in parts], rope, norms[0].eps
-    )
-
-
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """SDPA on [B, S, H, hd] tensors -> [B, S, H * hd].
-
-    The inputs are handed to SDPA as permuted [B, H, S, hd] views, not contiguous copies, exactly as
-    diffusers' native backend does, so SDPA picks the same kernel and gives the same bits.
-    """
-    query, key, value = (t.permute(0, 2, 1, 3) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(query, key, value)
-    return out.permute(0, 2, 1, 3).flatten(2, 3)
 
 
 class Flux2PosEmbed(nn.Module):
@@ -291,7 +263,7 @@ class Flux2FeedForward(nn.Module):
         self.fusion = fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_out(self.fusion.swiglu(self.linear_in(x)))
+        return feed_forward(self, self.fusion, x)
 
 
 class Flux2DoubleAttention(nn.Module):
@@ -321,17 +293,7 @@ class Flux2DoubleAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, N, D] image rows, c [B, L, D] text rows -> (image update, text update)."""
-        shape = (-1, self.head_dim)
-        query, key, value = (proj(x).unflatten(-1, shape) for proj in (self.to_q, self.to_k, self.to_v))
-        c_query, c_key, c_value = (
-            proj(c).unflatten(-1, shape) for proj in (self.add_q_proj, self.add_k_proj, self.add_v_proj)
-        )
-        query = prologue(self.fusion, [(c_query, self.norm_added_q), (query, self.norm_q)], rope)
-        key = prologue(self.fusion, [(c_key, self.norm_added_k), (key, self.norm_k)], rope)
-        value = torch.cat([c_value, value], dim=1)
-        out = attention(query, key, value)
-        c_out, x_out = out.split_with_sizes([c.shape[1], x.shape[1]], dim=1)
-        return self.to_out[0](x_out), self.to_add_out(c_out)
+        return double_attention(self, self.fusion, x, c, rope)
 
 
 class Flux2ParallelAttention(nn.Module):
@@ -344,21 +306,18 @@ class Flux2ParallelAttention(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.fusion = fusion
-        self.qkv_dim = 3 * heads * head_dim
-        self.to_qkv_mlp_proj = nn.Linear(dim, self.qkv_dim + 2 * mlp_hidden, bias=False)
+        # diffusers' attribute names: the shared block code splits the projection with them.
+        self.inner_dim = heads * head_dim
+        self.mlp_hidden_dim = mlp_hidden
+        self.mlp_mult_factor = 2
+        self.to_qkv_mlp_proj = nn.Linear(dim, 3 * self.inner_dim + 2 * mlp_hidden, bias=False)
         self.norm_q = nn.RMSNorm(head_dim, eps=eps)
         self.norm_k = nn.RMSNorm(head_dim, eps=eps)
         self.to_out = nn.Linear(heads * head_dim + mlp_hidden, dim, bias=False)
 
     def forward(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         """h [B, S, D] (normalised, modulated) -> the block's update [B, S, D]."""
-        proj = self.to_qkv_mlp_proj(h)
-        qkv, mlp = proj.split([self.qkv_dim, proj.shape[-1] - self.qkv_dim], dim=-1)
-        query, key, value = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv.chunk(3, dim=-1))
-        query = prologue(self.fusion, [(query, self.norm_q)], rope)
-        key = prologue(self.fusion, [(key, self.norm_k)], rope)
-        out = attention(query, key, value)
-        return self.to_out(self.fusion.cat_swiglu(out, mlp))
+        return parallel_attention(self, self.fusion, h, rope)
 
 
 class Flux2DoubleBlock(nn.Module):
@@ -397,21 +356,7 @@ class Flux2DoubleBlock(nn.Module):
         Stream by stream in diffusers' order: image attention residual, norm2, FFN residual; then the
         same for text, whose result is clipped in fp16.
         """
-        fusion = self.fusion
-        (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split_modulation(mod_img, 2)
-        (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split_modulation(
-            mod_txt, 2
-        )
-        x_norm, x = fusion.norm(x, scale_msa, shift_msa, self.norm1.eps)
-        c_norm, c = fusion.norm(c, c_scale_msa, c_shift_msa, self.norm1_context.eps)
-        x_attn, c_attn = self.attn(x_norm, c_norm, rope)
-        x_norm, x = fusion.norm(fusion.add(x, x_attn, gate_msa), scale_mlp, shift_mlp, self.norm2.eps)
-        x_next = fusion.add(x, self.ff(x_norm), gate_mlp)
-        c_norm, c = fusion.norm(
-            fusion.add(c, c_attn, c_gate_msa), c_scale_mlp, c_shift_mlp, self.norm2_context.eps
-        )
-        c_next = fusion.add(c, self.ff_context(c_norm), c_gate_mlp, clip_fp16=True)
-        return x_next, c_next
+        return double_block(self, self.fusion, x, c, mod_img, mod_txt, rope, attend=_attend, mlp=_mlp)
 
 
 class Flux2SingleBlock(nn.Module):
@@ -431,9 +376,7 @@ class Flux2SingleBlock(nn.Module):
 
     def forward_streams(self, h: Stream, mod: torch.Tensor, rope: Rope) -> Stream:
         """The block on a possibly-pending stream; returns its parallel attention+MLP update pending."""
-        ((shift, scale, gate),) = split_modulation(mod, 1)
-        h_norm, h = self.fusion.norm(h, scale, shift, self.norm.eps)
-        return self.fusion.add(h, self.attn(h_norm, rope), gate, clip_fp16=True)
+        return single_block(self, self.fusion, h, mod, rope, attend=_attend)
 
 
 class Flux2OutputNorm(nn.Module):
@@ -452,24 +395,22 @@ class Flux2OutputNorm(nn.Module):
 
     def forward_streams(self, x: Stream, temb: torch.Tensor) -> torch.Tensor:
         """The output norm of a possibly-pending stream that nothing reads afterwards."""
-        scale, shift = self.linear(F.silu(temb)).chunk(2, dim=1)
-        return self.fusion.output_norm(x, scale[:, None, :], shift[:, None, :], self.norm.eps)
+        return output_norm(self, self.fusion, x, temb, stream_dtype(x))
 
 
-def _has_hooks(module: nn.Module) -> bool:
-    """Whether calling `module` would run forward hooks (its own or global ones)."""
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or torch.nn.modules.module._global_forward_hooks
-        or torch.nn.modules.module._global_forward_pre_hooks
-    )
+def _attend(attn: nn.Module, fusion: Fusion, *args: Any) -> Any:
+    """The attention of one of our blocks through its module call, so hooks on it see it run."""
+    return attn(*args)
+
+
+def _mlp(ff: nn.Module, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
+    return ff(x)
 
 
 def _call(module: nn.Module, streams: tuple[Stream, ...], *args: Any) -> Any:
     """`module.forward_streams(*streams, *args)`; where hooks are attached, the module's public call
     on the streams materialized instead, so hooks see real tensors and may replace them."""
-    if _has_hooks(module):
+    if has_hooks(module):
         return module(*(materialize(s) for s in streams), *args)
     return module.forward_streams(*streams, *args)
 

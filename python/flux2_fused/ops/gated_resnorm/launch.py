@@ -9,7 +9,9 @@ import torch
 from .. import jit
 from .reference import Segment
 
-SPEC = jit.KernelSpec("gated_resnorm", sources=("gated_resnorm.cu",), headers=("gated_resnorm.cuh", "common.cuh", "entry.cuh"))
+SPEC = jit.KernelSpec(
+    "gated_resnorm", sources=("gated_resnorm.cu",), headers=("gated_resnorm.cuh", "common.cuh", "entry.cuh")
+)
 
 
 def launch(

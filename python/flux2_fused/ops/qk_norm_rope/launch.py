@@ -9,7 +9,9 @@ import torch
 from .. import jit
 from .reference import Segment
 
-SPEC = jit.KernelSpec("qk_norm_rope", sources=("qk_norm_rope.cu",), headers=("qk_norm_rope.cuh", "common.cuh", "entry.cuh"))
+SPEC = jit.KernelSpec(
+    "qk_norm_rope", sources=("qk_norm_rope.cu",), headers=("qk_norm_rope.cuh", "common.cuh", "entry.cuh")
+)
 
 
 def launch(rows: Sequence[Segment], cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:

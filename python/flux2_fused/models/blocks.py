@@ -1,0 +1,160 @@
+"""FLUX.2's blocks as functions of their modules: one implementation for both hosts.
+
+The package's `Flux2Transformer` and diffusers' `Flux2Transformer2DModel` name their submodules
+alike (`norm1`, `attn.to_q`, `attn.norm_added_k`, `ff.linear_in`, `attn.to_qkv_mlp_proj`, ...),
+so these functions take a block (or its attention, feed-forward, output norm) of either host and
+run diffusers' eager computation through `Fusion`, which sends each fusable site to its fused op
+where the guards prove it exact. Every Linear is called as a module, so whatever wraps it (a LoRA
+layer, a quantized linear, an offload hook) runs as in diffusers, with the parameters it holds at
+call time. Modules whose forward these functions replace (norms, the attention's processor, the
+SwiGLU) must be plain: `bypassable` says when they are, and the hosts call the module itself where
+they are not.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import qk_norm_rope
+from .deferral import Fusion, Stream
+
+# (cos, sin) RoPE tables, [S_txt + S_img, head_dim] each, text rows first.
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` would run forward hooks (its own or global ones)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or torch.nn.modules.module._global_forward_hooks
+        or torch.nn.modules.module._global_forward_pre_hooks
+    )
+
+
+def bypassable(module: nn.Module) -> bool:
+    """Whether skipping `module`'s call changes nothing: no hooks and no forward replaced on the
+    instance (accelerate's offload and diffusers' cache hooks wrap `forward` that way)."""
+    return not has_hooks(module) and "forward" not in module.__dict__
+
+
+def split_modulation(mod: torch.Tensor, sets: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Split a [B, 3*sets*D] modulation into `sets` (shift, scale, gate) triples of [B, 1, D] views."""
+    chunks = mod.unsqueeze(1).chunk(3 * sets, dim=-1)
+    return [(chunks[3 * i], chunks[3 * i + 1], chunks[3 * i + 2]) for i in range(sets)]
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """SDPA on [B, S, H, hd] tensors -> [B, S, H * hd].
+
+    The inputs are handed to SDPA as permuted [B, H, S, hd] views, not contiguous copies, exactly as
+    diffusers' native backend does, so SDPA picks the same kernel and gives the same bits.
+    """
+    query, key, value = (t.permute(0, 2, 1, 3) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(query, key, value)
+    return out.permute(0, 2, 1, 3).flatten(2, 3)
+
+
+def prologue(fusion: Fusion, parts: list[tuple[torch.Tensor, nn.Module]], rope: Rope) -> torch.Tensor:
+    """q or k for attention: each part's heads [B, S, H, hd] through its RMSNorm, concatenated along
+    tokens (text first), rotated: one fused launch where the guards accept. A norm that is not a
+    plain RMSNorm (hooks, a replacement) runs as a module call."""
+    norms = [norm for _, norm in parts]
+    plain = all(type(norm) is nn.RMSNorm and bypassable(norm) for norm in norms)
+    if not plain or len({norm.eps for norm in norms}) != 1 or norms[0].eps is None:
+        normed = [norm(x) for x, norm in parts]
+        return qk_norm_rope.reference.rope(torch.cat(normed, dim=1) if len(normed) > 1 else normed[0], *rope)
+    rows = [qk_norm_rope.Segment(x, norm.weight) for x, norm in parts]
+    return fusion.qk_norm_rope(rows, rope, norms[0].eps)
+
+
+def double_attention(
+    attn: nn.Module, fusion: Fusion, x: torch.Tensor, c: torch.Tensor, rope: Rope
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Joint attention of a double block: x [B, N, D] image rows, c [B, L, D] text rows -> (image
+    update, text update). Text rows come first in the joint sequence (and in the RoPE tables)."""
+    shape = (-1, attn.head_dim)
+    query, key, value = (proj(x).unflatten(-1, shape) for proj in (attn.to_q, attn.to_k, attn.to_v))
+    c_query, c_key, c_value = (
+        proj(c).unflatten(-1, shape) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+    )
+    query = prologue(fusion, [(c_query, attn.norm_added_q), (query, attn.norm_q)], rope)
+    key = prologue(fusion, [(c_key, attn.norm_added_k), (key, attn.norm_k)], rope)
+    value = torch.cat([c_value, value], dim=1)
+    out = attention(query, key, value)
+    c_out, x_out = out.split_with_sizes([c.shape[1], x.shape[1]], dim=1)
+    return attn.to_out[0](x_out), attn.to_add_out(c_out)
+
+
+def parallel_attention(attn: nn.Module, fusion: Fusion, h: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """A single block's body: one Linear gives q, k, v and the MLP input, one maps the attention
+    output and the SwiGLU activation back to D. The split follows diffusers' (q, k, v and the MLP
+    part in proportion to their full widths, so a column-sharded projection splits alike)."""
+    proj = attn.to_qkv_mlp_proj(h)
+    qkv_dim = 3 * attn.inner_dim
+    qkv_width = proj.shape[-1] * qkv_dim // (qkv_dim + attn.mlp_hidden_dim * attn.mlp_mult_factor)
+    qkv, mlp = proj.split([qkv_width, proj.shape[-1] - qkv_width], dim=-1)
+    query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
+    query = prologue(fusion, [(query, attn.norm_q)], rope)
+    key = prologue(fusion, [(key, attn.norm_k)], rope)
+    out = attention(query, key, value)
+    return attn.to_out(fusion.cat_swiglu(out, mlp))
+
+
+def feed_forward(ff: nn.Module, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP: linear_in D -> 2H, silu(a) * b, linear_out H -> D."""
+    return ff.linear_out(fusion.swiglu(ff.linear_in(x)))
+
+
+def double_block(
+    block: nn.Module,
+    fusion: Fusion,
+    x: Stream,
+    c: Stream,
+    mod_img: torch.Tensor,
+    mod_txt: torch.Tensor,
+    rope: Rope,
+    attend=double_attention,
+    mlp=feed_forward,
+) -> tuple[Stream, Stream]:
+    """A double block on possibly-pending streams (image x, text c); returns both FFN updates pending.
+
+    Stream by stream in diffusers' order: image attention residual, norm2, FFN residual; then the
+    same for text, whose result is clipped in fp16. `attend` and `mlp` compute the attention and the
+    feed-forward of `block.attn` and `block.ff` (the hosts pass module calls where those modules
+    cannot be bypassed)."""
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split_modulation(mod_img, 2)
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split_modulation(
+        mod_txt, 2
+    )
+    x_norm, x = fusion.norm(x, scale_msa, shift_msa, block.norm1.eps)
+    c_norm, c = fusion.norm(c, c_scale_msa, c_shift_msa, block.norm1_context.eps)
+    x_attn, c_attn = attend(block.attn, fusion, x_norm, c_norm, rope)
+    x_norm, x = fusion.norm(fusion.add(x, x_attn, gate_msa), scale_mlp, shift_mlp, block.norm2.eps)
+    x_next = fusion.add(x, mlp(block.ff, fusion, x_norm), gate_mlp)
+    c_norm, c = fusion.norm(
+        fusion.add(c, c_attn, c_gate_msa), c_scale_mlp, c_shift_mlp, block.norm2_context.eps
+    )
+    c_next = fusion.add(c, mlp(block.ff_context, fusion, c_norm), c_gate_mlp, clip_fp16=True)
+    return x_next, c_next
+
+
+def single_block(
+    block: nn.Module, fusion: Fusion, h: Stream, mod: torch.Tensor, rope: Rope, attend=parallel_attention
+) -> Stream:
+    """A single block on a possibly-pending joint stream; returns its update pending (clipped in fp16)."""
+    ((shift, scale, gate),) = split_modulation(mod, 1)
+    h_norm, h = fusion.norm(h, scale, shift, block.norm.eps)
+    return fusion.add(h, attend(block.attn, fusion, h_norm, rope), gate, clip_fp16=True)
+
+
+def output_norm(
+    norm_out: nn.Module, fusion: Fusion, x: Stream, temb: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """AdaLayerNormContinuous as FLUX.2 uses it: its own Linear on silu(temb), cast to the stream's
+    dtype, gives (scale, shift) - scale FIRST, unlike the blocks' (shift, scale, gate) - around an
+    affine-free LayerNorm of a stream nothing reads afterwards."""
+    scale, shift = norm_out.linear(F.silu(temb).to(dtype)).chunk(2, dim=1)
+    return fusion.output_norm(x, scale[:, None, :], shift[:, None, :], norm_out.norm.eps)
