@@ -1,10 +1,15 @@
-"""The diffusers patch: enable, output unchanged, disable, restored (CPU and, marked gpu, CUDA)."""
+"""The diffusers patch on diffusers' own modules: enable, outputs equal diffusers', disable, restored;
+adapters (peft), weight changes, moves, processors, hooks and KV modes each equal diffusers' output,
+with the blocks the patch can vouch for still computed by the package's block code."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
+from flux2_fused.integrations import diffusers as integration
 from flux2_fused.integrations.diffusers import enable
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 
@@ -52,9 +57,51 @@ def test_patch_rejects_other_modules():
         enable(torch.nn.Linear(2, 2))
 
 
+def _fused_launches(fn) -> int:
+    """Our kernels' launches in one call of fn (torch.profiler)."""
+    from flux2_fused.bench.step import FUSED_KERNELS
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(any(k in e.name for k in FUSED_KERNELS) for e in prof.events() if e.device_type.name == "CUDA")
+
+
 @pytest.mark.gpu
 def test_patch_on_klein_4b_is_bit_identical():
     _roundtrip(Flux2Config.preset("klein-4b"), "cuda", torch.bfloat16, img=1024, txt=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+def test_klein_4b_fuses_on_diffusers_modules(lora: bool):
+    """diffusers' own klein-4B modules, with and without a peft LoRA: every site fused (the same
+    launch count as the package's model: 41 residual/norm, 50 q/k prologues, 30 SwiGLUs), output
+    equal to diffusers alone."""
+    peft = pytest.importorskip("peft")
+    config = Flux2Config.preset("klein-4b")
+    reference = diffusers_model(Flux2Transformer.random(config, seed=5, device="cuda", dtype=torch.bfloat16))
+    if lora:
+        torch.manual_seed(0)
+        targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_qkv_mlp_proj", "linear_in"]
+        reference.add_adapter(
+            peft.LoraConfig(r=8, lora_alpha=8, init_lora_weights=False, target_modules=targets)
+        )
+    inputs = _inputs(config, "cuda", torch.bfloat16, img=1024, txt=128)
+    with torch.inference_mode(), attention_backend("native"):
+        handle = enable(reference)
+        patched = reference(**inputs).sample
+        launches = _fused_launches(lambda: reference(**inputs))
+        handle.disable()
+        expected = reference(**inputs).sample
+    assert torch.equal(patched, expected)
+    assert (
+        launches
+        == 41
+        + 2 * (config.num_layers + config.num_single_layers)
+        + 2 * config.num_layers
+        + config.num_single_layers
+    )
 
 
 class _Wrapped(torch.nn.Module):
@@ -69,6 +116,44 @@ class _Wrapped(torch.nn.Module):
         return self.base_layer(x) + self.extra(x)
 
 
+@pytest.fixture
+def routes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts how each block and attention ran: the package's block code or diffusers' own calls."""
+    counts = {"double": 0, "single": 0, "diffusers attention": 0, "diffusers ff": 0}
+
+    def counted(name: str, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(integration, "double_block", counted("double", integration.double_block))
+    monkeypatch.setattr(integration, "single_block", counted("single", integration.single_block))
+    monkeypatch.setattr(
+        integration, "_call_attention", counted("diffusers attention", integration._call_attention)
+    )
+    monkeypatch.setattr(integration, "_call_ff", counted("diffusers ff", integration._call_ff))
+    return counts
+
+
+def _model() -> torch.nn.Module:
+    return diffusers_model(Flux2Transformer.random(TINY, seed=5))
+
+
+def _patched_and_diffusers(model: torch.nn.Module, change=None, dtype: torch.dtype = torch.float32):
+    """(output with the patch, output of diffusers alone), after `change(model)` with the patch on."""
+    handle = enable(model)
+    if change is not None:
+        change(model)
+    inputs = _inputs(TINY, "cpu", dtype)
+    with torch.inference_mode(), attention_backend("native"):
+        patched = model(**inputs).sample
+        handle.disable()
+        expected = model(**inputs).sample
+    return patched, expected
+
+
 def _wrap_a_linear(model: torch.nn.Module) -> None:
     attn = model.transformer_blocks[0].attn
     attn.to_q = _Wrapped(attn.to_q)
@@ -79,13 +164,14 @@ def _scale_a_weight(model: torch.nn.Module) -> None:
     weight.data = weight.data * 2  # new storage, as fuse_lora and offload hooks do
 
 
-def _custom_processor(model: torch.nn.Module) -> None:
-    from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor
+def _scale_in_place(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        model.transformer_blocks[0].ff.linear_in.weight.mul_(1.5)
 
-    class Custom(Flux2AttnProcessor):
-        pass
 
-    model.transformer_blocks[1].attn.set_processor(Custom())
+def _assign_state_dict(model: torch.nn.Module) -> None:
+    state = {k: v * 0.5 for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
 
 
 def _to_float64(model: torch.nn.Module) -> None:
@@ -95,50 +181,79 @@ def _to_float64(model: torch.nn.Module) -> None:
 CHANGES = {
     "adapter-like wrapper": _wrap_a_linear,
     "weight storage replaced": _scale_a_weight,
-    "custom attention processor": _custom_processor,
+    "weight updated in place": _scale_in_place,
+    "load_state_dict(assign=True)": _assign_state_dict,
     "dtype move": _to_float64,
 }
 
 
 @pytest.mark.parametrize("change", CHANGES)
-def test_changes_after_enable_give_diffusers_output(change: str):
-    """A change the routed model does not mirror: the patched forward steps aside to diffusers' own,
-    so the output is what diffusers computes with the change (never the stale weights')."""
-    reference = diffusers_model(Flux2Transformer.random(TINY, seed=5))
-    handle = enable(reference)
-    calls = []
-    handle.model.register_forward_pre_hook(lambda *_: calls.append(1))
-    with torch.inference_mode(), attention_backend("native"):
-        reference(**_inputs(TINY, "cpu", torch.float32))
-        assert calls == [1]  # unchanged: routed
-        CHANGES[change](reference)
-        inputs = _inputs(TINY, "cpu", next(reference.parameters()).dtype)
-        patched = reference(**inputs).sample
-        handle.disable()
-        expected = reference(**inputs).sample
-    assert calls == [1]  # changed: not routed again
+def test_changes_after_enable_stay_fused_and_equal_diffusers(change: str, routes: dict[str, int]) -> None:
+    """Nothing is snapshotted: every block still runs the package's block code, on the modules and
+    parameters as they are at call time, and the output is diffusers'."""
+    dtype = torch.float64 if change == "dtype move" else torch.float32
+    patched, expected = _patched_and_diffusers(_model(), CHANGES[change], dtype)
     assert torch.equal(patched, expected)
+    assert routes["double"] == TINY.num_layers and routes["single"] == TINY.num_single_layers
+    assert routes["diffusers attention"] == 0 and routes["diffusers ff"] == 0
 
 
-def test_in_place_weight_updates_are_seen():
-    """Weights updated in place keep their storage, which the routed model shares: it stays routed."""
-    reference = diffusers_model(Flux2Transformer.random(TINY, seed=5))
-    handle = enable(reference)
+def test_custom_processor_runs_diffusers_attention_in_that_block(routes: dict[str, int]) -> None:
+    from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor
+
+    class Custom(Flux2AttnProcessor):
+        pass
+
+    def change(model: torch.nn.Module) -> None:
+        model.transformer_blocks[1].attn.set_processor(Custom())
+
+    patched, expected = _patched_and_diffusers(_model(), change)
+    assert torch.equal(patched, expected)
+    assert routes["diffusers attention"] == 1 and routes["double"] == TINY.num_layers
+
+
+def test_attention_backend_other_than_native_runs_diffusers_attention(routes: dict[str, int]) -> None:
+    model = _model()
+    handle = enable(model)
+    inputs = _inputs(TINY, "cpu", torch.float32)
+    with torch.inference_mode(), attention_backend("_native_math"):
+        patched = model(**inputs).sample
+        handle.disable()
+        expected = model(**inputs).sample
+    assert torch.equal(patched, expected)
+    assert routes["diffusers attention"] == TINY.num_layers
+
+
+def test_hooked_block_runs_as_a_module_call(routes: dict[str, int]) -> None:
+    seen = []
+
+    def change(model: torch.nn.Module) -> None:
+        model.single_transformer_blocks[0].register_forward_hook(
+            lambda m, a, o: seen.append(type(m).__name__)
+        )
+        model.transformer_blocks[0].ff.register_forward_pre_hook(lambda m, a: seen.append("ff"))
+
+    patched, expected = _patched_and_diffusers(_model(), change)
+    assert torch.equal(patched, expected)
+    assert "Flux2SingleTransformerBlock" in seen and "ff" in seen
+    assert routes["single"] == TINY.num_single_layers - 1 and routes["diffusers ff"] == 1
+
+
+def test_calls_the_loop_does_not_implement_take_diffusers_forward(routes: dict[str, int]) -> None:
+    model = _model()
+    handle = enable(model)
     inputs = _inputs(TINY, "cpu", torch.float32)
     with torch.inference_mode(), attention_backend("native"):
-        reference.transformer_blocks[0].ff.linear_in.weight.mul_(1.5)
-        patched = reference(**inputs).sample
+        patched = model(**inputs, joint_attention_kwargs={"scale": 1.0}).sample
         handle.disable()
-        expected = reference(**inputs).sample
-    assert torch.equal(patched, expected)
+        expected = model(**inputs, joint_attention_kwargs={"scale": 1.0}).sample
+    assert torch.equal(patched, expected) and routes["double"] == 0
 
 
-def test_deepcopy_of_a_patched_model_computes_its_own_weights():
-    import copy
-
-    reference = diffusers_model(Flux2Transformer.random(TINY, seed=5))
-    enable(reference)
-    clone = copy.deepcopy(reference)
+def test_deepcopy_of_a_patched_model_computes_its_own_weights() -> None:
+    model = _model()
+    enable(model)
+    clone = copy.deepcopy(model)
     with torch.no_grad():
         for p in clone.parameters():
             p.mul_(0.5)
@@ -150,14 +265,93 @@ def test_deepcopy_of_a_patched_model_computes_its_own_weights():
     assert torch.equal(patched, expected)
 
 
-def test_enable_on_an_already_wrapped_model_takes_diffusers_forward():
-    reference = diffusers_model(Flux2Transformer.random(TINY, seed=5))
-    _wrap_a_linear(reference)
-    handle = enable(reference)  # no "Missing key(s)" error
-    assert handle.model is None
-    inputs = _inputs(TINY, "cpu", torch.float32)
+def test_a_forward_wrapped_before_enable_is_kept_and_restored() -> None:
+    """Another library's wrapper on the instance (accelerate's offload hooks set one): every call goes
+    through it, and disable() puts it back."""
+    model = _model()
+    calls = []
+    original = model.forward
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    model.forward = wrapper
+    handle = enable(model)
     with torch.inference_mode(), attention_backend("native"):
-        patched = reference(**inputs).sample
-        handle.disable()
-        expected = reference(**inputs).sample
+        model(**_inputs(TINY, "cpu", torch.float32))
+    handle.disable()
+    assert calls == [1] and model.forward is wrapper
+
+
+def test_enable_takes_a_pipeline() -> None:
+    class Pipeline:
+        def __init__(self, transformer: torch.nn.Module) -> None:
+            self.transformer = transformer
+
+    model = _model()
+    handle = enable(Pipeline(model))
+    assert handle.transformer is model and model._flux2_fused_handle is handle
+    handle.disable()
+    assert "forward" not in model.__dict__
+
+
+peft = pytest.importorskip("peft")
+
+
+def _lora(model: torch.nn.Module, name: str = "default", seed: int = 0) -> None:
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        init_lora_weights=False,  # random B, so the adapter changes the output
+        target_modules=["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_qkv_mlp_proj", "linear_in"],
+    )
+    torch.manual_seed(seed)
+    model.add_adapter(config, adapter_name=name)
+
+
+LORA_WORKFLOWS = {
+    "add_adapter": lambda m: _lora(m),
+    "two adapters, set_adapters": lambda m: (
+        _lora(m, "a", 1),
+        _lora(m, "b", 2),
+        m.set_adapters(["a", "b"], [0.7, 0.4]),
+    ),
+    "fuse_lora": lambda m: (_lora(m), m.fuse_lora()),
+    "fuse then unfuse": lambda m: (_lora(m), m.fuse_lora(), m.unfuse_lora()),
+    "disable_adapters": lambda m: (_lora(m), m.disable_adapters()),
+}
+
+
+@pytest.mark.parametrize("workflow", LORA_WORKFLOWS)
+@pytest.mark.parametrize("before", [True, False], ids=["lora-then-enable", "enable-then-lora"])
+def test_lora_workflows_equal_diffusers(workflow: str, before: bool, routes: dict[str, int]) -> None:
+    model = _model()
+    if before:
+        LORA_WORKFLOWS[workflow](model)
+        patched, expected = _patched_and_diffusers(model)
+    else:
+        patched, expected = _patched_and_diffusers(model, LORA_WORKFLOWS[workflow])
     assert torch.equal(patched, expected)
+    assert routes["double"] == TINY.num_layers and routes["single"] == TINY.num_single_layers
+
+
+def test_lora_changes_the_output() -> None:
+    """The adapters above act (so the equalities compare outputs that LoRA changed)."""
+    model = _model()
+    before, _ = _patched_and_diffusers(model)
+    _lora(model)
+    after, _ = _patched_and_diffusers(model)
+    assert not torch.equal(before, after)
+
+
+def test_saved_lora_loads_and_equals_diffusers(tmp_path) -> None:
+    source = _model()
+    _lora(source)
+    source.save_lora_adapter(str(tmp_path), adapter_name="default")
+    model = _model()
+    base, _ = _patched_and_diffusers(model)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    model.load_lora_adapter(str(tmp_path), weight_name=files[0], adapter_name="saved", prefix=None)
+    patched, expected = _patched_and_diffusers(model)
+    assert torch.equal(patched, expected) and not torch.equal(patched, base)

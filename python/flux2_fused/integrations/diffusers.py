@@ -1,18 +1,25 @@
-"""One-call patch of a diffusers `Flux2Transformer2DModel` onto the fused, deferred-residual forward.
+"""The fused path on diffusers' own FLUX.2 modules: `enable(transformer or pipeline)`.
 
     from flux2_fused.integrations.diffusers import enable
-    handle = enable(pipe.transformer)   # outputs stay bit-identical; faster on a CUDA GPU
+    handle = enable(pipe)               # or enable(pipe.transformer); outputs stay bit-identical
     ...
-    handle.disable()                    # the original forward again
+    handle.disable()                    # diffusers' own forward again
 
-The patch builds a `Flux2Transformer` on the meta device and points its parameters at the diffusers
-model's own tensors (no copy, no extra memory), then routes `forward` through it. Our model runs
-diffusers' eager ops in diffusers' order, so the output is bit-identical; on the GPU the residual
-sites go through the fused kernel where it is proven exact. Every call first checks that this still
-holds: the same parameters in the same storage as at `enable()` (an adapter, a replaced weight, a
-dtype or device move breaks that) and diffusers' default attention processor on the native backend.
-Calls it cannot vouch for (those, KV-cache modes, joint_attention_kwargs, hooks on the diffusers
-submodules, gradient checkpointing while training) go to diffusers' own forward unchanged.
+`enable` replaces `Flux2Transformer2DModel.forward` on the instance with a loop over the model's own
+submodules that runs each block through the package's block code (`models/blocks.py`), which is
+diffusers' eager computation with each fusable site sent to its fused op. Nothing is copied or
+snapshotted: every Linear is called as a module at call time, so LoRA layers (peft), quantized
+linears, weight replacements, dtype and device moves act exactly as in diffusers.
+
+Each call decides what it can vouch for, from the module state at that moment:
+- the whole call takes diffusers' forward for what the loop does not implement: KV-cache modes,
+  `joint_attention_kwargs` (LoRA scales, processor arguments), gradient checkpointing while a
+  gradient is needed, hooks or a wrapped forward on the transformer's own top-level modules;
+- a block whose attention runs another processor or backend than diffusers' default FLUX.2
+  processor on the native (SDPA) backend, or whose norms, attention or feed-forward carry hooks or a
+  wrapped forward, runs through diffusers' own block call; the other blocks stay fused;
+- everything the fused ops cannot prove exact (CPU, fp32, autograd, ...) declines inside them to
+  the eager chain, as in the package's own model.
 """
 
 from __future__ import annotations
@@ -23,10 +30,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
-from ..models.flux2 import Flux2Config, Flux2Transformer
+from ..models.blocks import (
+    bypassable,
+    double_attention,
+    double_block,
+    feed_forward,
+    output_norm,
+    parallel_attention,
+    single_block,
+)
+from ..models.deferral import Fusion, PendingConcat, Stream, materialize, stream_dtype, stream_rows
 
 SUPPORTED_DIFFUSERS = ((0, 37), (0, 43))  # [min, max): the FLUX.2 transformer's math is unchanged here
+CLASS_NAME = "Flux2Transformer2DModel"
 
 
 def _check_version() -> str:
@@ -46,65 +64,138 @@ def _check_version() -> str:
 
 @dataclass
 class FusedHandle:
-    """What `enable` returns: the model it routes through, the weights that model mirrors, and
-    `disable()` to undo the patch."""
+    """What `enable` returns: the switch of the patched transformer, and `disable()` to undo it.
 
-    transformer: torch.nn.Module
-    model: Flux2Transformer | None  # None: the module's layout was not FLUX.2's plain one at enable()
-    weights: list[tuple[str, int, torch.dtype, torch.device, torch.Size]]
+    `fusion.fused = False` keeps the patch but runs every site eager (for A/B comparisons);
+    `previous_forward` is a forward that was set on the instance before `enable` (another
+    library's wrapper), restored by `disable`.
+    """
+
+    transformer: nn.Module
+    fusion: Fusion
+    previous_forward: Any = None
 
     def disable(self) -> None:
-        """Restore diffusers' own forward."""
-        if self.transformer.__dict__.get("forward") is not None:
-            del self.transformer.forward
+        """Restore the transformer's forward as it was before `enable`."""
+        self.transformer.__dict__.pop("forward", None)
+        if self.previous_forward is not None:
+            self.transformer.forward = self.previous_forward
         self.transformer._flux2_fused_handle = None
 
 
-def _has_submodule_hooks(module: torch.nn.Module) -> bool:
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules() if m is not module)
-
-
-def _weights(module: torch.nn.Module) -> list[tuple[str, int, torch.dtype, torch.device, torch.Size]]:
-    """Every parameter's name and storage: what the routed model must still share to compute what
-    diffusers' modules compute."""
-    return [(name, p.data_ptr(), p.dtype, p.device, p.shape) for name, p in module.named_parameters()]
-
-
-def _default_attention(transformer: torch.nn.Module) -> bool:
-    """Every block runs diffusers' default FLUX.2 processor on the native (SDPA) backend, which is
-    what the routed model's attention computes."""
+def _native_default(processor: Any, default: type) -> bool:
+    """The processor is diffusers' default one, dispatching to the native (SDPA) backend."""
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
-    from diffusers.models.transformers.transformer_flux2 import (
-        Flux2AttnProcessor,
-        Flux2ParallelSelfAttnProcessor,
-    )
 
-    native = AttentionBackendName.NATIVE
-    blocks = [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
-    for block in blocks:
-        processor = block.attn.processor
-        if type(processor) not in (Flux2AttnProcessor, Flux2ParallelSelfAttnProcessor):
-            return False
-        backend = processor._attention_backend or _AttentionBackendRegistry._active_backend
-        if AttentionBackendName(backend) != native:
+    if type(processor) is not default:
+        return False
+    backend = processor._attention_backend or _AttentionBackendRegistry._active_backend
+    return AttentionBackendName(backend) == AttentionBackendName.NATIVE
+
+
+def _attention_plain(attn: nn.Module, processor_class: type) -> bool:
+    """The attention module's forward may be replaced by the block code: default processor on the
+    native backend, unfused projections, no hooks, the parameter-free dropout of `to_out` (diffusers
+    keeps one at index 1 in the double block) inactive."""
+    if not (bypassable(attn) and _native_default(attn.processor, processor_class)):
+        return False
+    if getattr(attn, "fused_projections", False):
+        return False
+    out = attn.to_out
+    if isinstance(out, nn.ModuleList) and len(out) > 1:
+        dropout = out[1]
+        if not (
+            isinstance(dropout, nn.Dropout)
+            and bypassable(dropout)
+            and (dropout.p == 0 or not dropout.training)
+        ):
             return False
     return True
 
 
-def _mirrors(transformer: torch.nn.Module, handle: FusedHandle) -> bool:
-    """Whether the routed model still computes exactly what diffusers' forward would: the same
-    parameters in the same storage (no adapter, replaced weight, dtype or device move since
-    `enable()`) and the default attention. Never raises: anything unexpected means no."""
-    try:
-        if handle.model is None or _weights(transformer) != handle.weights:
+def _norms_plain(block: nn.Module, names: tuple[str, ...]) -> bool:
+    """The block's LayerNorms are plain affine-free LayerNorms the fused sites may replace."""
+    for name in names:
+        norm = getattr(block, name)
+        if type(norm) is not nn.LayerNorm or norm.elementwise_affine or not bypassable(norm):
             return False
-        return _default_attention(transformer)
-    except Exception:
+    return True
+
+
+def _ff_plain(ff: nn.Module) -> bool:
+    from diffusers.models.transformers.transformer_flux2 import Flux2FeedForward, Flux2SwiGLU
+
+    return (
+        type(ff) is Flux2FeedForward
+        and bypassable(ff)
+        and type(ff.act_fn) is Flux2SwiGLU
+        and bypassable(ff.act_fn)
+    )
+
+
+def _call_attention(attn: nn.Module, fusion: Fusion, x: torch.Tensor, c: torch.Tensor, rope: Any) -> Any:
+    """diffusers' own attention call (its processor, its hooks) inside an otherwise fused block."""
+    return attn(hidden_states=x, encoder_hidden_states=c, image_rotary_emb=rope)
+
+
+def _call_parallel_attention(attn: nn.Module, fusion: Fusion, h: torch.Tensor, rope: Any) -> Any:
+    return attn(hidden_states=h, image_rotary_emb=rope)
+
+
+def _call_ff(ff: nn.Module, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
+    return ff(x)
+
+
+def _feed_forward(ff: nn.Module, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
+    """The block code's SwiGLU MLP where `ff` is diffusers' plain one, else its own call."""
+    return feed_forward(ff, fusion, x) if _ff_plain(ff) else _call_ff(ff, fusion, x)
+
+
+def _run_double(block: nn.Module, fusion: Fusion, x: Stream, c: Stream, mod_img, mod_txt, rope) -> tuple:
+    from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor
+
+    if not (bypassable(block) and _norms_plain(block, ("norm1", "norm1_context", "norm2", "norm2_context"))):
+        c_out, x_out = block(
+            hidden_states=materialize(x),
+            encoder_hidden_states=materialize(c),
+            temb_mod_img=mod_img,
+            temb_mod_txt=mod_txt,
+            image_rotary_emb=rope,
+        )
+        return x_out, c_out
+    attend = double_attention if _attention_plain(block.attn, Flux2AttnProcessor) else _call_attention
+    return double_block(block, fusion, x, c, mod_img, mod_txt, rope, attend=attend, mlp=_feed_forward)
+
+
+def _run_single(block: nn.Module, fusion: Fusion, h: Stream, mod, rope) -> Stream:
+    from diffusers.models.transformers.transformer_flux2 import Flux2ParallelSelfAttnProcessor, Flux2SwiGLU
+
+    if not (bypassable(block) and _norms_plain(block, ("norm",))):
+        return block(
+            hidden_states=materialize(h), encoder_hidden_states=None, temb_mod=mod, image_rotary_emb=rope
+        )
+    attn = block.attn
+    plain = _attention_plain(attn, Flux2ParallelSelfAttnProcessor)
+    plain = plain and type(attn.mlp_act_fn) is Flux2SwiGLU and bypassable(attn.mlp_act_fn)
+    return single_block(
+        block, fusion, h, mod, rope, attend=parallel_attention if plain else _call_parallel_attention
+    )
+
+
+def _top_level_plain(model: nn.Module) -> bool:
+    """The modules the loop calls in its own order, or bypasses (norm_out's norm), are unwrapped."""
+    from diffusers.models.normalization import AdaLayerNormContinuous
+
+    norm_out = model.norm_out
+    if type(norm_out) is not AdaLayerNormContinuous or not bypassable(norm_out):
         return False
+    norm = norm_out.norm
+    plain_norm = type(norm) is nn.LayerNorm and not norm.elementwise_affine and bypassable(norm)
+    return plain_norm and type(norm_out.silu) is nn.SiLU and bypassable(norm_out.silu)
 
 
-def _patched_forward(
-    self: torch.nn.Module,
+def _fused_forward(
+    self: nn.Module,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor = None,
     timestep: torch.Tensor = None,
@@ -113,23 +204,25 @@ def _patched_forward(
     guidance: torch.Tensor = None,
     joint_attention_kwargs: dict | None = None,
     return_dict: bool = True,
-    **kwargs: Any,
+    kv_cache: Any = None,
+    kv_cache_mode: str | None = None,
+    num_ref_tokens: int = 0,
+    ref_fixed_timestep: float = 0.0,
 ) -> Any:
-    """The fused model where it provably computes diffusers' forward, else diffusers' forward.
+    """diffusers' forward, computed by the package's block code on diffusers' modules where that is
+    provably the same, and by diffusers itself everywhere else (see the module docstring).
 
-    Bound to the transformer as a method, so a `copy.deepcopy` of the module binds the copy (whose
-    weights live elsewhere, so it takes diffusers' forward)."""
+    Bound to the transformer as a method, so a `copy.deepcopy` of the module binds the copy."""
     handle: FusedHandle = self._flux2_fused_handle
-    supported = not (
-        joint_attention_kwargs
-        or any(v not in (None, 0, 0.0) for v in kwargs.values())
-        or _has_submodule_hooks(self)
+    if (
+        handle.previous_forward is not None
+        or kv_cache_mode is not None
+        or joint_attention_kwargs
         or (torch.is_grad_enabled() and getattr(self, "gradient_checkpointing", False))
-        or not _mirrors(self, handle)
-    )
-    if not supported:
-        return type(self).forward(
-            self,
+        or not _top_level_plain(self)
+    ):
+        original = handle.previous_forward or types.MethodType(type(self).forward, self)
+        return original(
             hidden_states,
             encoder_hidden_states,
             timestep,
@@ -138,37 +231,54 @@ def _patched_forward(
             guidance,
             joint_attention_kwargs=joint_attention_kwargs,
             return_dict=return_dict,
-            **kwargs,
+            kv_cache=kv_cache,
+            kv_cache_mode=kv_cache_mode,
+            num_ref_tokens=num_ref_tokens,
+            ref_fixed_timestep=ref_fixed_timestep,
         )
-    sample = handle.model(hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance)
+    fusion = handle.fusion
+    txt_tokens = encoder_hidden_states.shape[1]
+    timestep = timestep.to(hidden_states.dtype) * 1000
+    if guidance is not None:
+        guidance = guidance.to(hidden_states.dtype) * 1000
+    temb = self.time_guidance_embed(timestep, guidance)
+    mod_img = self.double_stream_modulation_img(temb)
+    mod_txt = self.double_stream_modulation_txt(temb)
+    mod_single = self.single_stream_modulation(temb)
+    x: Stream = self.x_embedder(hidden_states)
+    c: Stream = self.context_embedder(encoder_hidden_states)
+    img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+    txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
+    img_rope, txt_rope = self.pos_embed(img_ids), self.pos_embed(txt_ids)
+    rope = (torch.cat([txt_rope[0], img_rope[0]], dim=0), torch.cat([txt_rope[1], img_rope[1]], dim=0))
+    for block in self.transformer_blocks:
+        x, c = _run_double(block, fusion, x, c, mod_img, mod_txt, rope)
+    h: Stream = PendingConcat(c, x)
+    for block in self.single_transformer_blocks:
+        h = _run_single(block, fusion, h, mod_single, rope)
+    image_rows = stream_rows(h, txt_tokens)
+    out = self.proj_out(output_norm(self.norm_out, fusion, image_rows, temb, stream_dtype(image_rows)))
     if not return_dict:
-        return (sample,)
+        return (out,)
     from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 
-    return Flux2Transformer2DModelOutput(sample=sample)
+    return Flux2Transformer2DModelOutput(sample=out)
 
 
-def enable(transformer: torch.nn.Module, fused: bool = True) -> FusedHandle:
-    """Patch `transformer` (a diffusers Flux2Transformer2DModel) in place; returns a handle."""
+def enable(model: Any, fused: bool = True) -> FusedHandle:
+    """Patch a diffusers Flux2Transformer2DModel, or a pipeline's `.transformer`, in place; returns
+    a handle. Enabling twice returns the same handle."""
     _check_version()
-    if type(transformer).__name__ != "Flux2Transformer2DModel":
+    transformer = getattr(model, "transformer", model)
+    if type(transformer).__name__ != CLASS_NAME:
         raise TypeError(
-            f"flux2-fused: expected a diffusers Flux2Transformer2DModel, got {type(transformer).__name__}"
+            f"flux2-fused: expected a diffusers {CLASS_NAME} or a pipeline holding one, "
+            f"got {type(model).__name__}"
         )
     existing = getattr(transformer, "_flux2_fused_handle", None)
     if existing is not None:
         return existing
-    config = Flux2Config.from_diffusers(dict(transformer.config))
-    with torch.device("meta"):
-        model = Flux2Transformer(config, fused=fused)
-    state = transformer.state_dict()
-    if set(state) != set(model.state_dict()):
-        # Adapters or other wrappers already change the module layout: this model cannot mirror it,
-        # so every call takes diffusers' forward.
-        model = None
-    else:
-        model.load_state_dict(state, strict=True, assign=True)
-    handle = FusedHandle(transformer, model, _weights(transformer) if model is not None else [])
+    handle = FusedHandle(transformer, Fusion(fused=fused), transformer.__dict__.get("forward"))
     transformer._flux2_fused_handle = handle
-    transformer.forward = types.MethodType(_patched_forward, transformer)
+    transformer.forward = types.MethodType(_fused_forward, transformer)
     return handle
