@@ -296,6 +296,65 @@ def test_enable_takes_a_pipeline() -> None:
     assert "forward" not in model.__dict__
 
 
+def test_blocks_compiled_on_their_own_run_their_compiled_call(routes: dict[str, int]) -> None:
+    """`compile_repeated_blocks` compiles each block module: the patch then calls the blocks (the
+    user's compiled code), and the output is diffusers'."""
+
+    def change(model: torch.nn.Module) -> None:
+        for block in (*model.transformer_blocks, *model.single_transformer_blocks):
+            block.compile(backend="eager")
+
+    patched, expected = _patched_and_diffusers(_model(), change)
+    assert torch.equal(patched, expected) and routes["double"] == 0 and routes["single"] == 0
+
+
+def test_torch_compile_of_the_patched_transformer_equals_diffusers() -> None:
+    """torch.compile traces the patched forward: the fused sites become flux2_fused operators."""
+    model = _model()
+    graphs = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    handle = enable(model)
+    inputs = _inputs(TINY, "cpu", torch.float32)
+    torch.compiler.reset()
+    with torch.inference_mode(), attention_backend("native"):
+        compiled = torch.compile(model, fullgraph=True, backend=recording_backend)(**inputs).sample
+        handle.disable()
+        expected = model(**inputs).sample
+    targets = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    assert torch.ops.flux2_fused.qk_norm_rope.default in targets
+    assert torch.ops.flux2_fused.gated_resnorm.default in targets
+    assert torch.equal(compiled, expected)
+
+
+def test_gradients_equal_diffusers() -> None:
+    """LoRA fine-tuning through the patch: where a gradient is needed every site is the eager chain,
+    so the loss equals diffusers' and the adapter gradients match (summation order aside)."""
+    peft_ = pytest.importorskip("peft")
+    model = _model()
+    torch.manual_seed(0)
+    model.add_adapter(peft_.LoraConfig(r=4, init_lora_weights=False, target_modules=["to_q", "linear_in"]))
+    inputs = _inputs(TINY, "cpu", torch.float32)
+    results = {}
+    for patched in (True, False):
+        handle = enable(model) if patched else None
+        model.zero_grad(set_to_none=True)
+        with attention_backend("native"):
+            loss = model(**inputs).sample.square().mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results[patched] = (loss.detach(), grads)
+        if handle is not None:
+            handle.disable()
+    assert torch.equal(results[True][0], results[False][0])
+    assert results[True][1].keys() == results[False][1].keys() and results[True][1]
+    for name, grad in results[True][1].items():
+        torch.testing.assert_close(grad, results[False][1][name])
+
+
 peft = pytest.importorskip("peft")
 
 

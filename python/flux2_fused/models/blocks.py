@@ -35,9 +35,14 @@ def has_hooks(module: nn.Module) -> bool:
 
 
 def bypassable(module: nn.Module) -> bool:
-    """Whether skipping `module`'s call changes nothing: no hooks and no forward replaced on the
-    instance (accelerate's offload and diffusers' cache hooks wrap `forward` that way)."""
-    return not has_hooks(module) and "forward" not in module.__dict__
+    """Whether skipping `module`'s call changes nothing: no hooks, no forward replaced on the
+    instance (accelerate's offload and diffusers' cache hooks wrap `forward` that way), and not
+    compiled on its own (`module.compile()`, as diffusers' `compile_repeated_blocks` does)."""
+    return (
+        not has_hooks(module)
+        and "forward" not in module.__dict__
+        and getattr(module, "_compiled_call_impl", None) is None
+    )
 
 
 def split_modulation(mod: torch.Tensor, sets: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
