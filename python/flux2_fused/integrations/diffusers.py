@@ -40,8 +40,9 @@ from ..models.blocks import (
     output_norm,
     parallel_attention,
     single_block,
+    transformer,
 )
-from ..models.deferral import Fusion, PendingConcat, Stream, materialize, stream_dtype, stream_rows
+from ..models.deferral import Fusion, Stream, materialize, stream_dtype
 
 SUPPORTED_DIFFUSERS = ((0, 37), (0, 43))  # [min, max): the FLUX.2 transformer's math is unchanged here
 CLASS_NAME = "Flux2Transformer2DModel"
@@ -182,6 +183,11 @@ def _run_single(block: nn.Module, fusion: Fusion, h: Stream, mod, rope) -> Strea
     )
 
 
+def _run_output(norm_out: nn.Module, fusion: Fusion, rows: Stream, temb: torch.Tensor) -> torch.Tensor:
+    """The output norm by the block code (the forward checked that norm_out is plain)."""
+    return output_norm(norm_out, fusion, rows, temb, stream_dtype(rows))
+
+
 def _top_level_plain(model: nn.Module) -> bool:
     """The modules the loop calls in its own order, or bypasses (norm_out's norm), are unwrapped."""
     from diffusers.models.normalization import AdaLayerNormContinuous
@@ -236,28 +242,19 @@ def _fused_forward(
             num_ref_tokens=num_ref_tokens,
             ref_fixed_timestep=ref_fixed_timestep,
         )
-    fusion = handle.fusion
-    txt_tokens = encoder_hidden_states.shape[1]
-    timestep = timestep.to(hidden_states.dtype) * 1000
-    if guidance is not None:
-        guidance = guidance.to(hidden_states.dtype) * 1000
-    temb = self.time_guidance_embed(timestep, guidance)
-    mod_img = self.double_stream_modulation_img(temb)
-    mod_txt = self.double_stream_modulation_txt(temb)
-    mod_single = self.single_stream_modulation(temb)
-    x: Stream = self.x_embedder(hidden_states)
-    c: Stream = self.context_embedder(encoder_hidden_states)
-    img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
-    txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
-    img_rope, txt_rope = self.pos_embed(img_ids), self.pos_embed(txt_ids)
-    rope = (torch.cat([txt_rope[0], img_rope[0]], dim=0), torch.cat([txt_rope[1], img_rope[1]], dim=0))
-    for block in self.transformer_blocks:
-        x, c = _run_double(block, fusion, x, c, mod_img, mod_txt, rope)
-    h: Stream = PendingConcat(c, x)
-    for block in self.single_transformer_blocks:
-        h = _run_single(block, fusion, h, mod_single, rope)
-    image_rows = stream_rows(h, txt_tokens)
-    out = self.proj_out(output_norm(self.norm_out, fusion, image_rows, temb, stream_dtype(image_rows)))
+    out = transformer(
+        self,
+        handle.fusion,
+        hidden_states,
+        encoder_hidden_states,
+        timestep,
+        img_ids,
+        txt_ids,
+        guidance,
+        run_double=_run_double,
+        run_single=_run_single,
+        run_output=_run_output,
+    )
     if not return_dict:
         return (out,)
     from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import qk_norm_rope
-from .deferral import Fusion, Stream
+from .deferral import Fusion, PendingConcat, Stream, stream_rows
 
 # (cos, sin) RoPE tables, [S_txt + S_img, head_dim] each, text rows first.
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -163,3 +163,53 @@ def output_norm(
     affine-free LayerNorm of a stream nothing reads afterwards."""
     scale, shift = norm_out.linear(F.silu(temb).to(dtype)).chunk(2, dim=1)
     return fusion.output_norm(x, scale[:, None, :], shift[:, None, :], norm_out.norm.eps)
+
+
+def joint_rope(
+    pos_embed: nn.Module, img_ids: torch.Tensor, txt_ids: torch.Tensor, device: torch.device
+) -> Rope:
+    """Joint RoPE tables, text rows first, built where the ids live and then moved to `device`.
+
+    Batched ids [B, S, n_axes] use the first batch element's ids, as diffusers does.
+    """
+    img_cos, img_sin = pos_embed(img_ids[0] if img_ids.ndim == 3 else img_ids)
+    txt_cos, txt_sin = pos_embed(txt_ids[0] if txt_ids.ndim == 3 else txt_ids)
+    return torch.cat([txt_cos, img_cos]).to(device), torch.cat([txt_sin, img_sin]).to(device)
+
+
+def transformer(
+    model: nn.Module,
+    fusion: Fusion,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    img_ids: torch.Tensor,
+    txt_ids: torch.Tensor,
+    guidance: torch.Tensor | None,
+    *,
+    run_double,
+    run_single,
+    run_output,
+) -> torch.Tensor:
+    """The whole denoiser in diffusers' order: conditioning, double blocks, the text-first concat,
+    single blocks, the output norm of the image rows and the output projection. The hosts pass how
+    each block and the output norm run (`run_double(block, fusion, x, c, mod_img, mod_txt, rope)`,
+    `run_single(block, fusion, h, mod, rope)`, `run_output(norm_out, fusion, rows, temb)`); streams
+    stay pending between blocks."""
+    timestep = timestep.to(hidden_states.dtype) * 1000
+    if guidance is not None:
+        guidance = guidance.to(hidden_states.dtype) * 1000
+    temb = model.time_guidance_embed(timestep, guidance)
+    mod_img = model.double_stream_modulation_img(temb)
+    mod_txt = model.double_stream_modulation_txt(temb)
+    mod_single = model.single_stream_modulation(temb)
+    x: Stream = model.x_embedder(hidden_states)
+    c: Stream = model.context_embedder(encoder_hidden_states)
+    rope = joint_rope(model.pos_embed, img_ids, txt_ids, hidden_states.device)
+    for block in model.transformer_blocks:
+        x, c = run_double(block, fusion, x, c, mod_img, mod_txt, rope)
+    h: Stream = PendingConcat(c, x)
+    for block in model.single_transformer_blocks:
+        h = run_single(block, fusion, h, mod_single, rope)
+    image_rows = stream_rows(h, encoder_hidden_states.shape[1])
+    return model.proj_out(run_output(model.norm_out, fusion, image_rows, temb))

@@ -31,11 +31,13 @@ from flux2_fused.models.blocks import (
     double_block,
     feed_forward,
     has_hooks,
+    joint_rope,
     output_norm,
     parallel_attention,
     single_block,
+    transformer,
 )
-from flux2_fused.models.deferral import Fusion, PendingConcat, Stream, materialize, stream_dtype, stream_rows
+from flux2_fused.models.deferral import Fusion, Stream, materialize, stream_dtype
 from flux2_fused.models.weights import (
     CONFIG_NAME,
     WeightsError,
@@ -407,6 +409,18 @@ def _mlp(ff: nn.Module, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
     return ff(x)
 
 
+def _run_double(block: nn.Module, fusion: Fusion, x: Stream, c: Stream, *args: Any) -> tuple[Stream, Stream]:
+    return _call(block, (x, c), *args)
+
+
+def _run_single(block: nn.Module, fusion: Fusion, h: Stream, *args: Any) -> Stream:
+    return _call(block, (h,), *args)
+
+
+def _run_output(norm_out: nn.Module, fusion: Fusion, rows: Stream, temb: torch.Tensor) -> torch.Tensor:
+    return _call(norm_out, (rows,), temb)
+
+
 def _call(module: nn.Module, streams: tuple[Stream, ...], *args: Any) -> Any:
     """`module.forward_streams(*streams, *args)`; where hooks are attached, the module's public call
     on the streams materialized instead, so hooks see real tensors and may replace them."""
@@ -465,9 +479,7 @@ class Flux2Transformer(nn.Module):
 
         Batched ids [B, S, n_axes] use the first batch element's ids, as diffusers does.
         """
-        img_cos, img_sin = self.pos_embed(img_ids[0] if img_ids.ndim == 3 else img_ids)
-        txt_cos, txt_sin = self.pos_embed(txt_ids[0] if txt_ids.ndim == 3 else txt_ids)
-        return torch.cat([txt_cos, img_cos]).to(device), torch.cat([txt_sin, img_sin]).to(device)
+        return joint_rope(self.pos_embed, img_ids, txt_ids, device)
 
     def forward(
         self,
@@ -483,28 +495,19 @@ class Flux2Transformer(nn.Module):
         encoder_hidden_states [B, L, joint_attention_dim]; timestep [B] in [0, 1] and guidance [B]
         (both cast to the input dtype, then x1000); img_ids [N, n_axes] or [B, N, n_axes], txt_ids alike.
         """
-        timestep = timestep.to(hidden_states.dtype) * 1000
-        if guidance is not None:
-            guidance = guidance.to(hidden_states.dtype) * 1000
-        temb = self.time_guidance_embed(timestep, guidance)
-        mod_img = self.double_stream_modulation_img(temb)
-        mod_txt = self.double_stream_modulation_txt(temb)
-        mod_single = self.single_stream_modulation(temb)
-
-        x = self.x_embedder(hidden_states)
-        c = self.context_embedder(encoder_hidden_states)
-        rope = self.rope(img_ids, txt_ids, x.device)
-
-        txt_tokens = c.shape[1]
-        x_s: Stream = x
-        c_s: Stream = c
-        for block in self.transformer_blocks:
-            x_s, c_s = _call(block, (x_s, c_s), mod_img, mod_txt, rope)
-        h: Stream = PendingConcat(c_s, x_s)
-        for block in self.single_transformer_blocks:
-            h = _call(block, (h,), mod_single, rope)
-        out = _call(self.norm_out, (stream_rows(h, txt_tokens),), temb)
-        return self.proj_out(out)
+        return transformer(
+            self,
+            self.fusion,
+            hidden_states,
+            encoder_hidden_states,
+            timestep,
+            img_ids,
+            txt_ids,
+            guidance,
+            run_double=_run_double,
+            run_single=_run_single,
+            run_output=_run_output,
+        )
 
     @classmethod
     def _on_meta(cls, config: Flux2Config, fused: bool) -> "Flux2Transformer":
