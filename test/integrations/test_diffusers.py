@@ -212,6 +212,19 @@ def test_custom_processor_runs_diffusers_attention_in_that_block(routes: dict[st
     assert routes["diffusers attention"] == 1 and routes["double"] == TINY.num_layers
 
 
+def test_a_parallel_config_runs_diffusers_attention(routes: dict[str, int]) -> None:
+    """A processor carrying a parallel config (context parallelism) exchanges rows inside attention:
+    the block code must not compute that attention locally."""
+    model = _model()
+    enable(model)
+    for block in (*model.transformer_blocks, *model.single_transformer_blocks):
+        block.attn.processor._parallel_config = object()
+    assert not any(
+        integration._native_default(b.attn.processor, type(b.attn.processor))
+        for b in (*model.transformer_blocks, *model.single_transformer_blocks)
+    )
+
+
 def test_attention_backend_other_than_native_runs_diffusers_attention(routes: dict[str, int]) -> None:
     model = _model()
     handle = enable(model)

@@ -85,10 +85,11 @@ class FusedHandle:
 
 
 def _native_default(processor: Any, default: type) -> bool:
-    """The processor is diffusers' default one, dispatching to the native (SDPA) backend."""
+    """The processor is diffusers' default one, dispatching to the native (SDPA) backend on this
+    device alone (a parallel config would exchange rows with other ranks inside attention)."""
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-    if type(processor) is not default:
+    if type(processor) is not default or getattr(processor, "_parallel_config", None) is not None:
         return False
     backend = processor._attention_backend or _AttentionBackendRegistry._active_backend
     return AttentionBackendName(backend) == AttentionBackendName.NATIVE
