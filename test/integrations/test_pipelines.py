@@ -1,0 +1,78 @@
+"""diffusers' real FLUX.2 pipelines with `enable(pipe)`: tiny random components, prompt embeddings given
+(no text encoder), latents equal to the pipeline without the patch, and the patched loop in use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flux2_fused.integrations import diffusers as integration
+from flux2_fused.integrations.diffusers import enable
+from flux2_fused.models.flux2 import Flux2Transformer
+
+from ..models.test_flux2 import TINY, diffusers_model
+
+pipelines = pytest.importorskip("diffusers")
+attention_backend = pytest.importorskip("diffusers.models.attention_dispatch").attention_backend
+
+
+def _vae() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return pipelines.AutoencoderKLFlux2(
+        block_out_channels=(32, 32),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=8,
+        norm_num_groups=8,
+        layers_per_block=1,
+    )
+
+
+def _pipeline(cls: type) -> object:
+    transformer = diffusers_model(Flux2Transformer.random(TINY, seed=1))
+    scheduler = pipelines.FlowMatchEulerDiscreteScheduler()
+    return cls(scheduler=scheduler, vae=_vae(), text_encoder=None, tokenizer=None, transformer=transformer)
+
+
+def _run(pipe: object, **kwargs: object) -> torch.Tensor:
+    embeddings = torch.randn(1, 12, TINY.joint_attention_dim, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode(), attention_backend("native"):
+        return pipe(
+            prompt_embeds=embeddings,
+            height=64,
+            width=64,
+            num_inference_steps=2,
+            generator=torch.Generator().manual_seed(0),
+            output_type="pt",
+            **kwargs,
+        ).images
+
+
+def _compare(pipe: object, monkeypatch: pytest.MonkeyPatch, **kwargs: object) -> None:
+    calls = []
+    monkeypatch.setattr(integration, "double_block", lambda *a, **k: calls.append(1) or _double(*a, **k))
+    expected = _run(pipe, **kwargs)
+    handle = enable(pipe)
+    patched = _run(pipe, **kwargs)
+    handle.disable()
+    assert torch.equal(patched, expected)
+    assert calls  # the patched loop ran (every transformer call of the pipeline)
+
+
+_double = integration.double_block
+
+
+def test_klein_pipeline_with_cfg(monkeypatch: pytest.MonkeyPatch) -> None:
+    pipe = _pipeline(pipelines.Flux2KleinPipeline)
+    negative = torch.zeros(1, 12, TINY.joint_attention_dim)
+    _compare(pipe, monkeypatch, negative_prompt_embeds=negative, guidance_scale=4.0)
+
+
+def test_flux2_pipeline_with_an_input_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The input image's latents join the image tokens as reference tokens with their own ids."""
+    from PIL import Image
+
+    pipe = _pipeline(pipelines.Flux2Pipeline)
+    pixels = torch.randint(0, 256, (64, 64, 3), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
+    image = Image.fromarray(pixels.numpy())
+    _compare(pipe, monkeypatch, image=[image], guidance_scale=4.0)
