@@ -114,9 +114,3 @@ def self_check_records() -> dict[tuple[str, str, str, str], CheckRecord]:
         for (name, device, config), record in _records.items()
     }
 
-
-def reset() -> None:
-    """Forget every verdict and warning (tests; a process that changed its GPUs)."""
-    with _lock:
-        _records.clear()
-        _warned.clear()
