@@ -113,4 +113,3 @@ def self_check_records() -> dict[tuple[str, str, str, str], CheckRecord]:
         (name, str(device), str(config), torch.__version__): record
         for (name, device, config), record in _records.items()
     }
-
