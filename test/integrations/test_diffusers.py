@@ -368,6 +368,16 @@ def test_gradients_equal_diffusers() -> None:
         torch.testing.assert_close(grad, results[False][1][name])
 
 
+def test_torchao_int8_weight_only_linears_equal_diffusers(routes: dict[str, int]) -> None:
+    """Quantized linears (torchao int8 weight-only, bf16) are called as modules by the block code."""
+    torchao = pytest.importorskip("torchao.quantization")
+    model = _model().to(torch.bfloat16)
+    torchao.quantize_(model, torchao.Int8WeightOnlyConfig())
+    patched, expected = _patched_and_diffusers(model, dtype=torch.bfloat16)
+    assert torch.equal(patched, expected)
+    assert routes["double"] == TINY.num_layers and routes["single"] == TINY.num_single_layers
+
+
 peft = pytest.importorskip("peft")
 
 
