@@ -378,6 +378,22 @@ def test_torchao_int8_weight_only_linears_equal_diffusers(routes: dict[str, int]
     assert routes["double"] == TINY.num_layers and routes["single"] == TINY.num_single_layers
 
 
+@pytest.mark.parametrize("offload_type", ["leaf_level", "block_level"])
+def test_group_offload_equals_diffusers(offload_type: str, routes: dict[str, int]) -> None:
+    """diffusers' group offloading wraps the modules it moves (CPU to CPU here): the block code calls
+    the wrapped Linears and norms as modules, and blocks it wraps whole run as module calls."""
+
+    def change(model: torch.nn.Module) -> None:
+        cpu = torch.device("cpu")
+        kwargs = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
+        model.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type=offload_type, **kwargs)
+
+    patched, expected = _patched_and_diffusers(_model(), change)
+    assert torch.equal(patched, expected)
+    if offload_type == "leaf_level":
+        assert routes["double"] == TINY.num_layers  # blocks stay fused around the wrapped leaves
+
+
 peft = pytest.importorskip("peft")
 
 
