@@ -394,6 +394,44 @@ def test_group_offload_equals_diffusers(offload_type: str, routes: dict[str, int
         assert routes["double"] == TINY.num_layers  # blocks stay fused around the wrapped leaves
 
 
+def test_kv_cache_extract_then_cached_equals_diffusers(routes: dict[str, int]) -> None:
+    """KV editing at the transformer: "extract" (reference rows first among the image rows, their own
+    modulation at a fixed timestep, their K/V stored) then "cached" (the stored K/V injected): outputs
+    and every stored K/V equal diffusers'."""
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2KVAttnProcessor,
+        Flux2KVParallelSelfAttnProcessor,
+    )
+
+    model = _model()
+    for block in model.transformer_blocks:
+        block.attn.set_processor(Flux2KVAttnProcessor())
+    for block in model.single_transformer_blocks:
+        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+    ref, img, txt = 9, 28, 11
+    extract = _inputs(TINY, "cpu", torch.float32, img=ref + img, txt=txt)
+    cached = {**_inputs(TINY, "cpu", torch.float32, img=img, txt=txt), "timestep": extract["timestep"]}
+    results = {}
+    for patched in (True, False):
+        handle = enable(model) if patched else None
+        with torch.inference_mode(), attention_backend("native"):
+            first = model(**extract, kv_cache_mode="extract", num_ref_tokens=ref, ref_fixed_timestep=0.0)
+            second = model(**cached, kv_cache=first.kv_cache, kv_cache_mode="cached").sample
+        results[patched] = (first, second)
+        if handle is not None:
+            handle.disable()
+    (f_first, f_second), (e_first, e_second) = results[True], results[False]
+    assert torch.equal(f_first.sample, e_first.sample) and torch.equal(f_second, e_second)
+    caches = zip(
+        f_first.kv_cache.double_block_caches + f_first.kv_cache.single_block_caches,
+        e_first.kv_cache.double_block_caches + e_first.kv_cache.single_block_caches,
+        strict=True,
+    )
+    for ours, theirs in caches:
+        assert torch.equal(ours.k_ref, theirs.k_ref) and torch.equal(ours.v_ref, theirs.v_ref)
+    assert routes["double"] == 2 * TINY.num_layers and routes["diffusers attention"] == 2 * TINY.num_layers
+
+
 peft = pytest.importorskip("peft")
 
 

@@ -12,7 +12,10 @@ snapshotted: every Linear is called as a module at call time, so LoRA layers (pe
 linears, weight replacements, dtype and device moves act exactly as in diffusers.
 
 Each call decides what it can vouch for, from the module state at that moment:
-- the whole call takes diffusers' forward for what the loop does not implement: KV-cache modes,
+- KV-cache editing ("extract" and "cached" modes) runs as diffusers' forward does, with the
+  attention of each block through diffusers' KV processor (the residual, norm and SwiGLU sites
+  around it stay fused; the per-token modulation of "extract" declines to the eager chain);
+- the whole call takes diffusers' forward for what the loop does not implement:
   `joint_attention_kwargs` (LoRA scales, processor arguments), gradient checkpointing while a
   gradient is needed, hooks or a wrapped forward on the transformer's own top-level modules;
 - a block whose attention runs another processor or backend than diffusers' default FLUX.2
@@ -24,6 +27,8 @@ Each call decides what it can vouch for, from the module state at that moment:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.metadata
 import types
 from dataclasses import dataclass
@@ -33,7 +38,9 @@ import torch
 from torch import nn
 
 from ..models.blocks import (
+    Conditioning,
     bypassable,
+    conditioning,
     double_attention,
     double_block,
     feed_forward,
@@ -135,13 +142,18 @@ def _ff_plain(ff: nn.Module) -> bool:
     )
 
 
-def _call_attention(attn: nn.Module, fusion: Fusion, x: torch.Tensor, c: torch.Tensor, rope: Any) -> Any:
-    """diffusers' own attention call (its processor, its hooks) inside an otherwise fused block."""
-    return attn(hidden_states=x, encoder_hidden_states=c, image_rotary_emb=rope)
+def _call_attention(
+    attn: nn.Module, fusion: Fusion, x: torch.Tensor, c: torch.Tensor, rope: Any, **kwargs: Any
+) -> Any:
+    """diffusers' own attention call (its processor, its hooks, KV-cache arguments) inside an
+    otherwise fused block."""
+    return attn(hidden_states=x, encoder_hidden_states=c, image_rotary_emb=rope, **kwargs)
 
 
-def _call_parallel_attention(attn: nn.Module, fusion: Fusion, h: torch.Tensor, rope: Any) -> Any:
-    return attn(hidden_states=h, image_rotary_emb=rope)
+def _call_parallel_attention(
+    attn: nn.Module, fusion: Fusion, h: torch.Tensor, rope: Any, **kwargs: Any
+) -> Any:
+    return attn(hidden_states=h, image_rotary_emb=rope, **kwargs)
 
 
 def _call_ff(ff: nn.Module, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +165,18 @@ def _feed_forward(ff: nn.Module, fusion: Fusion, x: torch.Tensor) -> torch.Tenso
     return feed_forward(ff, fusion, x) if _ff_plain(ff) else _call_ff(ff, fusion, x)
 
 
-def _run_double(block: nn.Module, fusion: Fusion, x: Stream, c: Stream, mod_img, mod_txt, rope) -> tuple:
+def _run_double(
+    block: nn.Module,
+    fusion: Fusion,
+    x: Stream,
+    c: Stream,
+    mod_img: torch.Tensor,
+    mod_txt: torch.Tensor,
+    rope: Any,
+    attn_kwargs: dict | None = None,
+) -> tuple[Stream, Stream]:
+    """One double block: the block code where the block is plain, with diffusers' attention call
+    where its attention is not (or takes KV-cache arguments), else the block's own call."""
     from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor
 
     if not (bypassable(block) and _norms_plain(block, ("norm1", "norm1_context", "norm2", "norm2_context"))):
@@ -163,25 +186,37 @@ def _run_double(block: nn.Module, fusion: Fusion, x: Stream, c: Stream, mod_img,
             temb_mod_img=mod_img,
             temb_mod_txt=mod_txt,
             image_rotary_emb=rope,
+            joint_attention_kwargs=attn_kwargs,
         )
         return x_out, c_out
-    attend = double_attention if _attention_plain(block.attn, Flux2AttnProcessor) else _call_attention
+    if not attn_kwargs and _attention_plain(block.attn, Flux2AttnProcessor):
+        attend = double_attention
+    else:
+        attend = functools.partial(_call_attention, **(attn_kwargs or {}))
     return double_block(block, fusion, x, c, mod_img, mod_txt, rope, attend=attend, mlp=_feed_forward)
 
 
-def _run_single(block: nn.Module, fusion: Fusion, h: Stream, mod, rope) -> Stream:
+def _run_single(
+    block: nn.Module, fusion: Fusion, h: Stream, mod: torch.Tensor, rope: Any, attn_kwargs: dict | None = None
+) -> Stream:
+    """One single block, chosen like `_run_double`."""
     from diffusers.models.transformers.transformer_flux2 import Flux2ParallelSelfAttnProcessor, Flux2SwiGLU
 
     if not (bypassable(block) and _norms_plain(block, ("norm",))):
         return block(
-            hidden_states=materialize(h), encoder_hidden_states=None, temb_mod=mod, image_rotary_emb=rope
+            hidden_states=materialize(h),
+            encoder_hidden_states=None,
+            temb_mod=mod,
+            image_rotary_emb=rope,
+            joint_attention_kwargs=attn_kwargs,
         )
     attn = block.attn
-    plain = _attention_plain(attn, Flux2ParallelSelfAttnProcessor)
+    plain = not attn_kwargs and _attention_plain(attn, Flux2ParallelSelfAttnProcessor)
     plain = plain and type(attn.mlp_act_fn) is Flux2SwiGLU and bypassable(attn.mlp_act_fn)
-    return single_block(
-        block, fusion, h, mod, rope, attend=parallel_attention if plain else _call_parallel_attention
+    attend = (
+        parallel_attention if plain else functools.partial(_call_parallel_attention, **(attn_kwargs or {}))
     )
+    return single_block(block, fusion, h, mod, rope, attend=attend)
 
 
 def _run_output(norm_out: nn.Module, fusion: Fusion, rows: Stream, temb: torch.Tensor) -> torch.Tensor:
@@ -199,6 +234,65 @@ def _top_level_plain(model: nn.Module) -> bool:
     norm = norm_out.norm
     plain_norm = type(norm) is nn.LayerNorm and not norm.elementwise_affine and bypassable(norm)
     return plain_norm and type(norm_out.silu) is nn.SiLU and bypassable(norm_out.silu)
+
+
+def _kv_setup(
+    model: nn.Module,
+    cond: Conditioning,
+    image_tokens: int,
+    txt_tokens: int,
+    kv_cache: Any,
+    mode: str,
+    num_ref_tokens: int,
+    ref_fixed_timestep: float,
+) -> tuple[Conditioning, Any, int, list, list]:
+    """diffusers' KV-cache editing, as its forward does it: in "extract" mode a new cache, the
+    reference rows' own modulation (at a fixed timestep) blended per token into the image and joint
+    modulations, and the reference rows left out of the output; in "cached" mode the cache's
+    reference K/V handed to every attention. Returns the conditioning, the cache, the rows before
+    the output rows, and each block's attention arguments."""
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2KVCache,
+        _blend_double_block_mods,
+        _blend_single_block_mods,
+    )
+
+    leading_rows = txt_tokens
+    if mode == "extract" and num_ref_tokens > 0:
+        kv_cache = Flux2KVCache(len(model.transformer_blocks), len(model.single_transformer_blocks))
+        kv_cache.num_ref_tokens = num_ref_tokens
+        ref_temb = model.time_guidance_embed(
+            torch.full_like(cond.timestep, ref_fixed_timestep * 1000), cond.guidance
+        )
+        ref_mod_img = model.double_stream_modulation_img(ref_temb)
+        ref_mod_single = model.single_stream_modulation(ref_temb)
+        cond = dataclasses.replace(
+            cond,
+            mod_img=_blend_double_block_mods(cond.mod_img, ref_mod_img, num_ref_tokens, image_tokens),
+            mod_single=_blend_single_block_mods(
+                cond.mod_single, ref_mod_single, txt_tokens, num_ref_tokens, txt_tokens + image_tokens
+            ),
+        )
+        leading_rows = txt_tokens + num_ref_tokens
+    if mode == "extract":
+        base = {"kv_cache": None, "kv_cache_mode": "extract", "num_ref_tokens": num_ref_tokens}
+    elif kv_cache is not None:
+        base = {"kv_cache": None, "kv_cache_mode": "cached", "num_ref_tokens": kv_cache.num_ref_tokens}
+    else:
+        base = None  # "cached" without a cache: diffusers passes no KV arguments either
+    double_kwargs: list[dict | None] = []
+    single_kwargs: list[dict | None] = []
+    for index in range(len(model.transformer_blocks)):
+        kwargs = None if base is None else dict(base)
+        if kwargs is not None and kv_cache is not None:
+            kwargs["kv_cache"] = kv_cache.get_double(index)
+        double_kwargs.append(kwargs)
+    for index in range(len(model.single_transformer_blocks)):
+        kwargs = None if base is None else {**base, "num_txt_tokens": txt_tokens}
+        if kwargs is not None and kv_cache is not None:
+            kwargs["kv_cache"] = kv_cache.get_single(index)
+        single_kwargs.append(kwargs)
+    return cond, kv_cache, leading_rows, double_kwargs, single_kwargs
 
 
 def _fused_forward(
@@ -223,7 +317,7 @@ def _fused_forward(
     handle: FusedHandle = self._flux2_fused_handle
     if (
         handle.previous_forward is not None
-        or kv_cache_mode is not None
+        or kv_cache_mode not in (None, "extract", "cached")
         or joint_attention_kwargs
         or (torch.is_grad_enabled() and getattr(self, "gradient_checkpointing", False))
         or not _top_level_plain(self)
@@ -243,19 +337,37 @@ def _fused_forward(
             num_ref_tokens=num_ref_tokens,
             ref_fixed_timestep=ref_fixed_timestep,
         )
+    cond = conditioning(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance)
+    txt_tokens = encoder_hidden_states.shape[1]
+    leading_rows = txt_tokens
+    double_kwargs: list[dict | None] = [None] * len(self.transformer_blocks)
+    single_kwargs: list[dict | None] = [None] * len(self.single_transformer_blocks)
+    if kv_cache_mode is not None:
+        cond, kv_cache, leading_rows, double_kwargs, single_kwargs = _kv_setup(
+            self,
+            cond,
+            hidden_states.shape[1],
+            txt_tokens,
+            kv_cache,
+            kv_cache_mode,
+            num_ref_tokens,
+            ref_fixed_timestep,
+        )
     out = transformer(
         self,
         handle.fusion,
-        hidden_states,
-        encoder_hidden_states,
-        timestep,
-        img_ids,
-        txt_ids,
-        guidance,
-        run_double=_run_double,
-        run_single=_run_single,
+        cond,
+        run_double=lambda i, block, *args: _run_double(block, *args, attn_kwargs=double_kwargs[i]),
+        run_single=lambda i, block, *args: _run_single(block, *args, attn_kwargs=single_kwargs[i]),
         run_output=_run_output,
+        leading_rows=leading_rows,
     )
+    if kv_cache_mode == "extract":
+        if not return_dict:
+            return (out, kv_cache)
+        from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
+
+        return Flux2Transformer2DModelOutput(sample=out, kv_cache=kv_cache)
     if not return_dict:
         return (out,)
     from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput

@@ -13,6 +13,8 @@ they are not.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,8 +48,10 @@ def bypassable(module: nn.Module) -> bool:
 
 
 def split_modulation(mod: torch.Tensor, sets: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Split a [B, 3*sets*D] modulation into `sets` (shift, scale, gate) triples of [B, 1, D] views."""
-    chunks = mod.unsqueeze(1).chunk(3 * sets, dim=-1)
+    """Split a [B, 3*sets*D] modulation into `sets` (shift, scale, gate) triples of [B, 1, D] views, as
+    diffusers' `Flux2Modulation.split` does; a per-token [B, S, 3*sets*D] one (KV editing's blend of
+    reference and image rows) into [B, S, D] views."""
+    chunks = (mod.unsqueeze(1) if mod.ndim == 2 else mod).chunk(3 * sets, dim=-1)
     return [(chunks[3 * i], chunks[3 * i + 1], chunks[3 * i + 2]) for i in range(sets)]
 
 
@@ -177,39 +181,71 @@ def joint_rope(
     return torch.cat([txt_cos, img_cos]).to(device), torch.cat([txt_sin, img_sin]).to(device)
 
 
-def transformer(
+@dataclass(frozen=True)
+class Conditioning:
+    """What every block reads besides the streams: the scaled timestep and guidance, the time
+    embedding, the three modulations, the embedded streams and the joint RoPE tables."""
+
+    timestep: torch.Tensor
+    guidance: torch.Tensor | None
+    temb: torch.Tensor
+    mod_img: torch.Tensor
+    mod_txt: torch.Tensor
+    mod_single: torch.Tensor
+    x: torch.Tensor
+    c: torch.Tensor
+    rope: Rope
+
+
+def conditioning(
     model: nn.Module,
-    fusion: Fusion,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     timestep: torch.Tensor,
     img_ids: torch.Tensor,
     txt_ids: torch.Tensor,
     guidance: torch.Tensor | None,
-    *,
-    run_double,
-    run_single,
-    run_output,
-) -> torch.Tensor:
-    """The whole denoiser in diffusers' order: conditioning, double blocks, the text-first concat,
-    single blocks, the output norm of the image rows and the output projection. The hosts pass how
-    each block and the output norm run (`run_double(block, fusion, x, c, mod_img, mod_txt, rope)`,
-    `run_single(block, fusion, h, mod, rope)`, `run_output(norm_out, fusion, rows, temb)`); streams
-    stay pending between blocks."""
+) -> Conditioning:
+    """diffusers' preamble: timestep and guidance cast to the input dtype and x1000, the time
+    embedding, the modulations computed once, the input and context embedders, the RoPE tables."""
     timestep = timestep.to(hidden_states.dtype) * 1000
     if guidance is not None:
         guidance = guidance.to(hidden_states.dtype) * 1000
     temb = model.time_guidance_embed(timestep, guidance)
-    mod_img = model.double_stream_modulation_img(temb)
-    mod_txt = model.double_stream_modulation_txt(temb)
-    mod_single = model.single_stream_modulation(temb)
-    x: Stream = model.x_embedder(hidden_states)
-    c: Stream = model.context_embedder(encoder_hidden_states)
-    rope = joint_rope(model.pos_embed, img_ids, txt_ids, hidden_states.device)
-    for block in model.transformer_blocks:
-        x, c = run_double(block, fusion, x, c, mod_img, mod_txt, rope)
+    return Conditioning(
+        timestep=timestep,
+        guidance=guidance,
+        temb=temb,
+        mod_img=model.double_stream_modulation_img(temb),
+        mod_txt=model.double_stream_modulation_txt(temb),
+        mod_single=model.single_stream_modulation(temb),
+        x=model.x_embedder(hidden_states),
+        c=model.context_embedder(encoder_hidden_states),
+        rope=joint_rope(model.pos_embed, img_ids, txt_ids, hidden_states.device),
+    )
+
+
+def transformer(
+    model: nn.Module,
+    fusion: Fusion,
+    cond: Conditioning,
+    *,
+    run_double,
+    run_single,
+    run_output,
+    leading_rows: int,
+) -> torch.Tensor:
+    """The blocks and the output in diffusers' order: double blocks, the text-first concat, single
+    blocks, the output norm of the rows after the first `leading_rows` (the text, and in KV
+    extraction the reference rows too) and the output projection. The hosts pass how each block and
+    the output norm run (`run_double(index, block, fusion, x, c, mod_img, mod_txt, rope)`,
+    `run_single(index, block, fusion, h, mod, rope)`, `run_output(norm_out, fusion, rows, temb)`);
+    streams stay pending between blocks."""
+    x: Stream = cond.x
+    c: Stream = cond.c
+    for index, block in enumerate(model.transformer_blocks):
+        x, c = run_double(index, block, fusion, x, c, cond.mod_img, cond.mod_txt, cond.rope)
     h: Stream = PendingConcat(c, x)
-    for block in model.single_transformer_blocks:
-        h = run_single(block, fusion, h, mod_single, rope)
-    image_rows = stream_rows(h, encoder_hidden_states.shape[1])
-    return model.proj_out(run_output(model.norm_out, fusion, image_rows, temb))
+    for index, block in enumerate(model.single_transformer_blocks):
+        h = run_single(index, block, fusion, h, cond.mod_single, cond.rope)
+    return model.proj_out(run_output(model.norm_out, fusion, stream_rows(h, leading_rows), cond.temb))

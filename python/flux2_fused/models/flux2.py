@@ -27,6 +27,7 @@ from torch import nn
 
 from flux2_fused.models.blocks import (
     Rope,
+    conditioning,
     double_attention,
     double_block,
     feed_forward,
@@ -409,11 +410,13 @@ def _mlp(ff: nn.Module, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
     return ff(x)
 
 
-def _run_double(block: nn.Module, fusion: Fusion, x: Stream, c: Stream, *args: Any) -> tuple[Stream, Stream]:
+def _run_double(
+    index: int, block: nn.Module, fusion: Fusion, x: Stream, c: Stream, *args: Any
+) -> tuple[Stream, Stream]:
     return _call(block, (x, c), *args)
 
 
-def _run_single(block: nn.Module, fusion: Fusion, h: Stream, *args: Any) -> Stream:
+def _run_single(index: int, block: nn.Module, fusion: Fusion, h: Stream, *args: Any) -> Stream:
     return _call(block, (h,), *args)
 
 
@@ -495,18 +498,15 @@ class Flux2Transformer(nn.Module):
         encoder_hidden_states [B, L, joint_attention_dim]; timestep [B] in [0, 1] and guidance [B]
         (both cast to the input dtype, then x1000); img_ids [N, n_axes] or [B, N, n_axes], txt_ids alike.
         """
+        cond = conditioning(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance)
         return transformer(
             self,
             self.fusion,
-            hidden_states,
-            encoder_hidden_states,
-            timestep,
-            img_ids,
-            txt_ids,
-            guidance,
+            cond,
             run_double=_run_double,
             run_single=_run_single,
             run_output=_run_output,
+            leading_rows=encoder_hidden_states.shape[1],
         )
 
     @classmethod
