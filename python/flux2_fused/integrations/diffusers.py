@@ -362,17 +362,11 @@ def _fused_forward(
         run_output=_run_output,
         leading_rows=leading_rows,
     )
-    if kv_cache_mode == "extract":
-        if not return_dict:
-            return (out, kv_cache)
-        from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
-
-        return Flux2Transformer2DModelOutput(sample=out, kv_cache=kv_cache)
-    if not return_dict:
-        return (out,)
     from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 
-    return Flux2Transformer2DModelOutput(sample=out)
+    if kv_cache_mode == "extract":  # the new cache is returned alongside, as diffusers does
+        return Flux2Transformer2DModelOutput(out, kv_cache) if return_dict else (out, kv_cache)
+    return Flux2Transformer2DModelOutput(sample=out) if return_dict else (out,)
 
 
 def enable(model: Any, fused: bool = True) -> FusedHandle:
