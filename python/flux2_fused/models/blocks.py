@@ -13,6 +13,7 @@ they are not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,10 +81,18 @@ def prologue(fusion: Fusion, parts: list[tuple[torch.Tensor, nn.Module]], rope: 
 
 
 def double_attention(
-    attn: nn.Module, fusion: Fusion, x: torch.Tensor, c: torch.Tensor, rope: Rope
+    attn: nn.Module,
+    fusion: Fusion,
+    x: torch.Tensor,
+    c: torch.Tensor,
+    rope: Rope,
+    sdpa: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = attention,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Joint attention of a double block: x [B, N, D] image rows, c [B, L, D] text rows -> (image
-    update, text update). Text rows come first in the joint sequence (and in the RoPE tables)."""
+    update, text update). Text rows come first in the joint sequence (and in the RoPE tables).
+    `sdpa` maps [B, S, H, hd] q, k, v to [B, S, H * hd]; a host passes its own attention dispatch
+    (another backend, a context-parallel exchange), handed the same tensors as diffusers' processors
+    hand theirs."""
     shape = (-1, attn.head_dim)
     query, key, value = (proj(x).unflatten(-1, shape) for proj in (attn.to_q, attn.to_k, attn.to_v))
     c_query, c_key, c_value = (
@@ -92,15 +101,22 @@ def double_attention(
     query = prologue(fusion, [(c_query, attn.norm_added_q), (query, attn.norm_q)], rope)
     key = prologue(fusion, [(c_key, attn.norm_added_k), (key, attn.norm_k)], rope)
     value = torch.cat([c_value, value], dim=1)
-    out = attention(query, key, value)
+    out = sdpa(query, key, value)
     c_out, x_out = out.split_with_sizes([c.shape[1], x.shape[1]], dim=1)
     return attn.to_out[0](x_out), attn.to_add_out(c_out)
 
 
-def parallel_attention(attn: nn.Module, fusion: Fusion, h: torch.Tensor, rope: Rope) -> torch.Tensor:
+def parallel_attention(
+    attn: nn.Module,
+    fusion: Fusion,
+    h: torch.Tensor,
+    rope: Rope,
+    sdpa: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = attention,
+) -> torch.Tensor:
     """A single block's body: one Linear gives q, k, v and the MLP input, one maps the attention
     output and the SwiGLU activation back to D. The split follows diffusers' (q, k, v and the MLP
-    part in proportion to their full widths, so a column-sharded projection splits alike)."""
+    part in proportion to their full widths, so a column-sharded projection splits alike); `sdpa`
+    as in `double_attention`."""
     proj = attn.to_qkv_mlp_proj(h)
     qkv_dim = 3 * attn.inner_dim
     qkv_width = proj.shape[-1] * qkv_dim // (qkv_dim + attn.mlp_hidden_dim * attn.mlp_mult_factor)
@@ -108,7 +124,7 @@ def parallel_attention(attn: nn.Module, fusion: Fusion, h: torch.Tensor, rope: R
     query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
     query = prologue(fusion, [(query, attn.norm_q)], rope)
     key = prologue(fusion, [(key, attn.norm_k)], rope)
-    out = attention(query, key, value)
+    out = sdpa(query, key, value)
     return attn.to_out(fusion.cat_swiglu(out, mlp))
 
 
