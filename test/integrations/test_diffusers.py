@@ -4,6 +4,7 @@ with the blocks the patch can vouch for still computed by the package's block co
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -212,29 +213,50 @@ def test_custom_processor_runs_diffusers_attention_in_that_block(routes: dict[st
     assert routes["diffusers attention"] == 1 and routes["double"] == TINY.num_layers
 
 
-def test_a_parallel_config_runs_diffusers_attention(routes: dict[str, int]) -> None:
-    """A processor carrying a parallel config (context parallelism) exchanges rows inside attention:
-    the block code must not compute that attention locally."""
-    model = _model()
-    enable(model)
-    for block in (*model.transformer_blocks, *model.single_transformer_blocks):
-        block.attn.processor._parallel_config = object()
-    assert not any(
-        integration._native_default(b.attn.processor, type(b.attn.processor))
-        for b in (*model.transformer_blocks, *model.single_transformer_blocks)
-    )
-
-
-def test_attention_backend_other_than_native_runs_diffusers_attention(routes: dict[str, int]) -> None:
+@pytest.mark.parametrize("how", ["context manager", "set_attention_backend"])
+@pytest.mark.parametrize("backend", ["native", "_native_math"])
+def test_every_attention_backend_stays_fused(backend: str, how: str, routes: dict[str, int]) -> None:
+    """Default processors on any backend run the block code, which hands its q, k, v to diffusers'
+    own attention dispatch with the processor's backend: the output is that backend's."""
     model = _model()
     handle = enable(model)
     inputs = _inputs(TINY, "cpu", torch.float32)
-    with torch.inference_mode(), attention_backend("_native_math"):
+    if how == "set_attention_backend":
+        model.set_attention_backend(backend)
+        scope = contextlib.nullcontext()
+    else:
+        scope = attention_backend(backend)
+    with torch.inference_mode(), scope:
         patched = model(**inputs).sample
         handle.disable()
         expected = model(**inputs).sample
     assert torch.equal(patched, expected)
-    assert routes["diffusers attention"] == TINY.num_layers
+    assert routes["double"] == TINY.num_layers and routes["single"] == TINY.num_single_layers
+    assert routes["diffusers attention"] == 0
+
+
+def test_attention_gets_the_processors_backend_and_parallel_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a context-parallel config needs from the block code: each attention call carries its
+    processor's backend and parallel config into diffusers' dispatch (which exchanges the rows)."""
+    from diffusers.models import attention_dispatch
+
+    seen = []
+    dispatch = attention_dispatch.dispatch_attention_fn
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs["backend"], kwargs["parallel_config"]))
+        return dispatch(*args, **{**kwargs, "parallel_config": None})
+
+    monkeypatch.setattr(attention_dispatch, "dispatch_attention_fn", recording)
+    model = _model()
+    model.set_attention_backend("_native_math")
+    config = object()
+    for block in (*model.transformer_blocks, *model.single_transformer_blocks):
+        block.attn.processor._parallel_config = config
+    patched, expected = _patched_and_diffusers(model)
+    assert torch.equal(patched, expected)
+    blocks = TINY.num_layers + TINY.num_single_layers
+    assert seen[:blocks] == [("_native_math", config)] * blocks  # the patched call, then diffusers'
 
 
 def test_hooked_block_runs_as_a_module_call(routes: dict[str, int]) -> None:
@@ -252,14 +274,30 @@ def test_hooked_block_runs_as_a_module_call(routes: dict[str, int]) -> None:
     assert routes["single"] == TINY.num_single_layers - 1 and routes["diffusers ff"] == 1
 
 
-def test_calls_the_loop_does_not_implement_take_diffusers_forward(routes: dict[str, int]) -> None:
+@pytest.mark.parametrize("kwargs", [{"scale": 1.0}, {"scale": 0.5, "unknown": 1}], ids=["scale", "extra"])
+def test_joint_attention_kwargs_go_where_diffusers_sends_them(kwargs: dict, routes: dict[str, int]) -> None:
+    """The LoRA scale scales the adapters for the call (here none: a no-op) and the blocks stay fused;
+    other keys go to every attention call, which then runs as diffusers' (it warns and drops them)."""
     model = _model()
     handle = enable(model)
     inputs = _inputs(TINY, "cpu", torch.float32)
     with torch.inference_mode(), attention_backend("native"):
-        patched = model(**inputs, joint_attention_kwargs={"scale": 1.0}).sample
+        patched = model(**inputs, joint_attention_kwargs=dict(kwargs)).sample
         handle.disable()
-        expected = model(**inputs, joint_attention_kwargs={"scale": 1.0}).sample
+        expected = model(**inputs, joint_attention_kwargs=dict(kwargs)).sample
+    assert torch.equal(patched, expected) and routes["double"] == TINY.num_layers
+    assert routes["diffusers attention"] == (0 if kwargs == {"scale": 1.0} else TINY.num_layers)
+
+
+def test_gradient_checkpointing_with_gradients_takes_diffusers_forward(routes: dict[str, int]) -> None:
+    model = _model()
+    model.enable_gradient_checkpointing()
+    handle = enable(model)
+    inputs = _inputs(TINY, "cpu", torch.float32)
+    with attention_backend("native"):
+        patched = model(**inputs).sample
+        handle.disable()
+        expected = model(**inputs).sample
     assert torch.equal(patched, expected) and routes["double"] == 0
 
 
@@ -295,6 +333,59 @@ def test_a_forward_wrapped_before_enable_is_kept_and_restored() -> None:
         model(**_inputs(TINY, "cpu", torch.float32))
     handle.disable()
     assert calls == [1] and model.forward is wrapper
+
+
+def _accelerate_hook(model: torch.nn.Module, calls: list) -> None:
+    """An accelerate hook on the transformer, as `enable_model_cpu_offload` and device maps add one."""
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class Counting(hooks.ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append("accelerate")
+            return args, kwargs
+
+    hooks.add_hook_to_module(model, Counting())
+
+
+def _diffusers_hook(model: torch.nn.Module, calls: list) -> None:
+    """A hook in diffusers' registry on the transformer, as context parallelism adds one (it splits the
+    inputs before the forward) and caches do."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class Counting(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append("diffusers")
+            return args, kwargs
+
+    HookRegistry.check_if_exists_or_initialize(model).register_hook(Counting(), "counting")
+
+
+@pytest.mark.parametrize("order", ["enable first", "hooks first"])
+def test_hooks_on_the_transformer_run_around_the_fused_forward(order: str, routes: dict[str, int]) -> None:
+    """accelerate's and diffusers' hooks wrap the transformer's forward and end in the class's forward:
+    `enable` puts the fused forward there, in either order, so the hooks run and every block fuses;
+    `disable` puts the class's forward back and leaves the hooks."""
+    model = _model()
+    calls: list[str] = []
+    if order == "enable first":
+        handle = enable(model)
+    _accelerate_hook(model, calls)
+    _diffusers_hook(model, calls)
+    if order == "hooks first":
+        handle = enable(model)
+    inputs = _inputs(TINY, "cpu", torch.float32)
+    with torch.inference_mode(), attention_backend("native"):
+        patched = model(**inputs).sample
+        assert sorted(calls) == ["accelerate", "diffusers"]
+        assert routes["double"] == TINY.num_layers and routes["single"] == TINY.num_single_layers
+        handle.disable()
+        expected = model(**inputs).sample
+    assert torch.equal(patched, expected)
+    assert len(calls) == 4 and routes["double"] == TINY.num_layers  # hooks kept, blocks not fused
+    assert not any(
+        getattr(getattr(holder, name), "__func__", None) is integration._fused_forward
+        for holder, name in integration._forward_slots(model)
+    )
 
 
 def test_enable_takes_a_pipeline() -> None:
@@ -491,3 +582,21 @@ def test_saved_lora_loads_and_equals_diffusers(tmp_path) -> None:
     model.load_lora_adapter(str(tmp_path), weight_name=files[0], adapter_name="saved", prefix=None)
     patched, expected = _patched_and_diffusers(model)
     assert torch.equal(patched, expected) and not torch.equal(patched, base)
+
+
+def test_lora_scale_in_joint_attention_kwargs_equals_diffusers(routes: dict[str, int]) -> None:
+    """`joint_attention_kwargs={"scale": s}` (what pipelines pass for `lora_scale`) scales the adapters
+    for that call only, as diffusers' forward does, and every block stays fused."""
+    model = _model()
+    _lora(model)
+    handle = enable(model)
+    inputs = _inputs(TINY, "cpu", torch.float32)
+    with torch.inference_mode(), attention_backend("native"):
+        scaled = model(**inputs, joint_attention_kwargs={"scale": 0.3}).sample
+        unscaled = model(**inputs).sample
+        handle.disable()
+        expected_scaled = model(**inputs, joint_attention_kwargs={"scale": 0.3}).sample
+        expected = model(**inputs).sample
+    assert torch.equal(scaled, expected_scaled) and torch.equal(unscaled, expected)
+    assert not torch.equal(scaled, unscaled)
+    assert routes["double"] == 2 * TINY.num_layers and routes["diffusers attention"] == 0

@@ -12,25 +12,35 @@ snapshotted: every Linear is called as a module at call time, so LoRA layers (pe
 linears, weight replacements, dtype and device moves act exactly as in diffusers.
 
 Each call decides what it can vouch for, from the module state at that moment:
+- attention through diffusers' default processors runs the block code (the fused q/k prologue) and
+  hands q, k, v to diffusers' own `dispatch_attention_fn` with the processor's backend and parallel
+  config: every attention backend, and context parallelism (the exchange between ranks happens in
+  there), stay fused;
+- hooks that wrap the transformer's forward and end in the class's forward (accelerate's offload
+  hook, diffusers' hook registry: context-parallel input splitting, caches) keep running around the
+  fused forward, which takes the class forward's place at the bottom, whichever came first;
+- `joint_attention_kwargs`: a LoRA "scale" scales the adapters for the call, as diffusers does;
+  other keys go to each attention call, which then runs as diffusers' own;
 - KV-cache editing ("extract" and "cached" modes) runs as diffusers' forward does, with the
   attention of each block through diffusers' KV processor (the residual, norm and SwiGLU sites
   around it stay fused; the per-token modulation of "extract" declines to the eager chain);
-- the whole call takes diffusers' forward for what the loop does not implement:
-  `joint_attention_kwargs` (LoRA scales, processor arguments), gradient checkpointing while a
-  gradient is needed, hooks or a wrapped forward on the transformer's own top-level modules;
-- a block whose attention runs another processor or backend than diffusers' default FLUX.2
-  processor on the native (SDPA) backend, or whose norms, attention or feed-forward carry hooks or a
-  wrapped forward, runs through diffusers' own block call; the other blocks stay fused;
+- the whole call takes diffusers' forward for what the loop does not implement: gradient
+  checkpointing while a gradient is needed, a forward wrapper of unknown kind on the instance, hooks
+  on the transformer's own top-level modules that the loop bypasses (`norm_out`);
+- a block whose attention runs another processor, or whose norms, attention or feed-forward carry
+  hooks or a wrapped forward, runs through diffusers' own block call; the other blocks stay fused;
 - everything the fused ops cannot prove exact (CPU, fp32, autograd, ...) declines inside them to
   the eager chain, as in the package's own model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
 import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,39 +84,55 @@ def _check_version() -> str:
 class FusedHandle:
     """What `enable` returns: the switch of the patched transformer, and `disable()` to undo it.
 
-    `fusion.fused = False` keeps the patch but runs every site eager (for A/B comparisons);
-    `previous_forward` is a forward that was set on the instance before `enable` (another
-    library's wrapper), restored by `disable`.
+    `fusion.fused = False` keeps the patch but runs every site eager (for A/B comparisons). `method`
+    is the fused forward bound to the transformer, wherever it sits in the forward's wrappers;
+    `previous_forward` is a forward of unknown kind that was set on the instance before `enable`
+    (every call then goes through it, unfused), restored by `disable`.
     """
 
     transformer: nn.Module
     fusion: Fusion
+    method: Any
     previous_forward: Any = None
 
     def disable(self) -> None:
-        """Restore the transformer's forward as it was before `enable`."""
-        self.transformer.__dict__.pop("forward", None)
-        if self.previous_forward is not None:
-            self.transformer.forward = self.previous_forward
-        self.transformer._flux2_fused_handle = None
+        """Restore the transformer's forward as it was before `enable`, wrappers added since kept."""
+        transformer = self.transformer
+        for holder, name in _forward_slots(transformer):
+            if getattr(holder, name) is not self.method:
+                continue
+            if holder is transformer and name == "forward":
+                del transformer.__dict__["forward"]
+                if self.previous_forward is not None:
+                    transformer.forward = self.previous_forward
+            else:
+                setattr(holder, name, types.MethodType(type(transformer).forward, transformer))
+            break
+        transformer._flux2_fused_handle = None
 
 
-def _native_default(processor: Any, default: type) -> bool:
-    """The processor is diffusers' default one, dispatching to the native (SDPA) backend on this
-    device alone (a parallel config would exchange rows with other ranks inside attention)."""
-    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+def _forward_slots(transformer: nn.Module) -> list[tuple[Any, str]]:
+    """The places that hold a forward of the transformer, outermost first: the instance's own
+    `forward`, accelerate's `_old_forward` (what its hook calls: model CPU offload, device maps),
+    and the function references of diffusers' hook registry (each hook calls the next one down, the
+    last the module's forward: context-parallel splitting, caches, group offloading)."""
+    slots = [(transformer, "forward"), (transformer, "_old_forward")]
+    registry = getattr(transformer, "_diffusers_hook", None)
+    slots += [(ref, "forward") for ref in reversed(getattr(registry, "_fn_refs", []))]
+    return [(holder, name) for holder, name in slots if name in vars(holder)]
 
-    if type(processor) is not default or getattr(processor, "_parallel_config", None) is not None:
-        return False
-    backend = processor._attention_backend or _AttentionBackendRegistry._active_backend
-    return AttentionBackendName(backend) == AttentionBackendName.NATIVE
+
+def _binds_class_forward(fn: Any, transformer: nn.Module) -> bool:
+    bound_to = getattr(fn, "__self__", None)
+    return bound_to is transformer and getattr(fn, "__func__", None) is type(transformer).forward
 
 
 def _attention_plain(attn: nn.Module, processor_class: type) -> bool:
-    """The attention module's forward may be replaced by the block code: default processor on the
-    native backend, unfused projections, no hooks, the parameter-free dropout of `to_out` (diffusers
-    keeps one at index 1 in the double block) inactive."""
-    if not (bypassable(attn) and _native_default(attn.processor, processor_class)):
+    """The attention module's forward may be replaced by the block code: diffusers' default processor
+    (on any backend, with or without a parallel config: the block code hands q, k, v to the same
+    dispatch), unfused projections, no hooks, the parameter-free dropout of `to_out` (diffusers keeps
+    one at index 1 in the double block) inactive."""
+    if not (bypassable(attn) and type(attn.processor) is processor_class):
         return False
     if getattr(attn, "fused_projections", False):
         return False
@@ -120,6 +146,27 @@ def _attention_plain(attn: nn.Module, processor_class: type) -> bool:
         ):
             return False
     return True
+
+
+def _dispatch(processor: Any) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The attention of a default processor: diffusers' `dispatch_attention_fn` with the processor's
+    backend and parallel config, on the q, k, v the block code computed (the same tensors, shapes and
+    strides the processor would pass), flattened and cast as the processor does. A context-parallel
+    config exchanges rows with the other ranks in there, as in diffusers."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        out = dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=None,
+            backend=processor._attention_backend,
+            parallel_config=processor._parallel_config,
+        )
+        return out.flatten(2, 3).to(query.dtype)
+
+    return sdpa
 
 
 def _norms_plain(block: nn.Module, names: tuple[str, ...]) -> bool:
@@ -190,7 +237,7 @@ def _run_double(
         )
         return x_out, c_out
     if not attn_kwargs and _attention_plain(block.attn, Flux2AttnProcessor):
-        attend = double_attention
+        attend = functools.partial(double_attention, sdpa=_dispatch(block.attn.processor))
     else:
         attend = functools.partial(_call_attention, **(attn_kwargs or {}))
     return double_block(block, fusion, x, c, mod_img, mod_txt, rope, attend=attend, mlp=_feed_forward)
@@ -213,9 +260,10 @@ def _run_single(
     attn = block.attn
     plain = not attn_kwargs and _attention_plain(attn, Flux2ParallelSelfAttnProcessor)
     plain = plain and type(attn.mlp_act_fn) is Flux2SwiGLU and bypassable(attn.mlp_act_fn)
-    attend = (
-        parallel_attention if plain else functools.partial(_call_parallel_attention, **(attn_kwargs or {}))
-    )
+    if plain:
+        attend = functools.partial(parallel_attention, sdpa=_dispatch(attn.processor))
+    else:
+        attend = functools.partial(_call_parallel_attention, **(attn_kwargs or {}))
     return single_block(block, fusion, h, mod, rope, attend=attend)
 
 
@@ -236,63 +284,85 @@ def _top_level_plain(model: nn.Module) -> bool:
     return plain_norm and type(norm_out.silu) is nn.SiLU and bypassable(norm_out.silu)
 
 
-def _kv_setup(
+def _kv_conditioning(
     model: nn.Module,
     cond: Conditioning,
     image_tokens: int,
     txt_tokens: int,
-    kv_cache: Any,
-    mode: str,
     num_ref_tokens: int,
     ref_fixed_timestep: float,
-) -> tuple[Conditioning, Any, int, list, list]:
-    """diffusers' KV-cache editing, as its forward does it: in "extract" mode a new cache, the
+) -> tuple[Conditioning, Any]:
+    """KV-cache extraction with reference rows, as diffusers' forward does it: a new cache, and the
     reference rows' own modulation (at a fixed timestep) blended per token into the image and joint
-    modulations, and the reference rows left out of the output; in "cached" mode the cache's
-    reference K/V handed to every attention. Returns the conditioning, the cache, the rows before
-    the output rows, and each block's attention arguments."""
+    modulations."""
     from diffusers.models.transformers.transformer_flux2 import (
         Flux2KVCache,
         _blend_double_block_mods,
         _blend_single_block_mods,
     )
 
-    leading_rows = txt_tokens
-    if mode == "extract" and num_ref_tokens > 0:
-        kv_cache = Flux2KVCache(len(model.transformer_blocks), len(model.single_transformer_blocks))
-        kv_cache.num_ref_tokens = num_ref_tokens
-        ref_temb = model.time_guidance_embed(
-            torch.full_like(cond.timestep, ref_fixed_timestep * 1000), cond.guidance
-        )
-        ref_mod_img = model.double_stream_modulation_img(ref_temb)
-        ref_mod_single = model.single_stream_modulation(ref_temb)
-        cond = dataclasses.replace(
-            cond,
-            mod_img=_blend_double_block_mods(cond.mod_img, ref_mod_img, num_ref_tokens, image_tokens),
-            mod_single=_blend_single_block_mods(
-                cond.mod_single, ref_mod_single, txt_tokens, num_ref_tokens, txt_tokens + image_tokens
-            ),
-        )
-        leading_rows = txt_tokens + num_ref_tokens
-    if mode == "extract":
-        base = {"kv_cache": None, "kv_cache_mode": "extract", "num_ref_tokens": num_ref_tokens}
-    elif kv_cache is not None:
-        base = {"kv_cache": None, "kv_cache_mode": "cached", "num_ref_tokens": kv_cache.num_ref_tokens}
-    else:
-        base = None  # "cached" without a cache: diffusers passes no KV arguments either
-    double_kwargs: list[dict | None] = []
-    single_kwargs: list[dict | None] = []
-    for index in range(len(model.transformer_blocks)):
-        kwargs = None if base is None else dict(base)
-        if kwargs is not None and kv_cache is not None:
-            kwargs["kv_cache"] = kv_cache.get_double(index)
-        double_kwargs.append(kwargs)
-    for index in range(len(model.single_transformer_blocks)):
-        kwargs = None if base is None else {**base, "num_txt_tokens": txt_tokens}
-        if kwargs is not None and kv_cache is not None:
-            kwargs["kv_cache"] = kv_cache.get_single(index)
-        single_kwargs.append(kwargs)
-    return cond, kv_cache, leading_rows, double_kwargs, single_kwargs
+    kv_cache = Flux2KVCache(len(model.transformer_blocks), len(model.single_transformer_blocks))
+    kv_cache.num_ref_tokens = num_ref_tokens
+    ref_timestep = torch.full_like(cond.timestep, ref_fixed_timestep * 1000)
+    ref_temb = model.time_guidance_embed(ref_timestep, cond.guidance)
+    ref_mod_img = model.double_stream_modulation_img(ref_temb)
+    ref_mod_single = model.single_stream_modulation(ref_temb)
+    cond = dataclasses.replace(
+        cond,
+        mod_img=_blend_double_block_mods(cond.mod_img, ref_mod_img, num_ref_tokens, image_tokens),
+        mod_single=_blend_single_block_mods(
+            cond.mod_single, ref_mod_single, txt_tokens, num_ref_tokens, txt_tokens + image_tokens
+        ),
+    )
+    return cond, kv_cache
+
+
+def _attention_kwargs(
+    model: nn.Module,
+    extra: dict | None,
+    kv_cache: Any,
+    mode: str | None,
+    num_ref_tokens: int,
+    txt_tokens: int,
+) -> tuple[list[dict | None], list[dict | None]]:
+    """Each double and single block's attention arguments, as diffusers' forward builds them: the
+    caller's `joint_attention_kwargs` (less the LoRA scale), plus in KV modes the mode, the number
+    of reference rows, each layer's cache entry and, for single blocks, the number of text rows."""
+    base = extra
+    if mode == "extract" or (mode == "cached" and kv_cache is not None):
+        refs = num_ref_tokens if mode == "extract" else kv_cache.num_ref_tokens
+        base = {**(extra or {}), "kv_cache": None, "kv_cache_mode": mode, "num_ref_tokens": refs}
+    single = {**(base or {}), "num_txt_tokens": txt_tokens} if mode is not None else base
+    with_cache = mode is not None and kv_cache is not None
+    double_kwargs = [
+        {**base, "kv_cache": kv_cache.get_double(i)} if with_cache else base
+        for i in range(len(model.transformer_blocks))
+    ]
+    single_kwargs = [
+        {**single, "kv_cache": kv_cache.get_single(i)} if with_cache else single
+        for i in range(len(model.single_transformer_blocks))
+    ]
+    return double_kwargs, single_kwargs
+
+
+@contextlib.contextmanager
+def _lora_scale(model: nn.Module, joint_attention_kwargs: dict | None) -> Iterator[dict | None]:
+    """diffusers' `apply_lora_scale` around its forward: a "scale" in `joint_attention_kwargs`
+    scales every peft LoRA layer for the call; the rest goes on to the attention calls."""
+    from diffusers.utils import USE_PEFT_BACKEND, scale_lora_layers, unscale_lora_layers
+
+    extra = None
+    scale = 1.0
+    if joint_attention_kwargs is not None:
+        extra = dict(joint_attention_kwargs)
+        scale = extra.pop("scale", 1.0)
+    if USE_PEFT_BACKEND:
+        scale_lora_layers(model, scale)
+    try:
+        yield extra
+    finally:
+        if USE_PEFT_BACKEND:
+            unscale_lora_layers(model, scale)
 
 
 def _fused_forward(
@@ -318,7 +388,6 @@ def _fused_forward(
     if (
         handle.previous_forward is not None
         or kv_cache_mode not in (None, "extract", "cached")
-        or joint_attention_kwargs
         or (torch.is_grad_enabled() and getattr(self, "gradient_checkpointing", False))
         or not _top_level_plain(self)
     ):
@@ -337,31 +406,27 @@ def _fused_forward(
             num_ref_tokens=num_ref_tokens,
             ref_fixed_timestep=ref_fixed_timestep,
         )
-    cond = conditioning(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance)
-    txt_tokens = encoder_hidden_states.shape[1]
-    leading_rows = txt_tokens
-    double_kwargs: list[dict | None] = [None] * len(self.transformer_blocks)
-    single_kwargs: list[dict | None] = [None] * len(self.single_transformer_blocks)
-    if kv_cache_mode is not None:
-        cond, kv_cache, leading_rows, double_kwargs, single_kwargs = _kv_setup(
-            self,
-            cond,
-            hidden_states.shape[1],
-            txt_tokens,
-            kv_cache,
-            kv_cache_mode,
-            num_ref_tokens,
-            ref_fixed_timestep,
+    with _lora_scale(self, joint_attention_kwargs) as extra:
+        cond = conditioning(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance)
+        txt_tokens = encoder_hidden_states.shape[1]
+        leading_rows = txt_tokens
+        if kv_cache_mode == "extract" and num_ref_tokens > 0:
+            cond, kv_cache = _kv_conditioning(
+                self, cond, hidden_states.shape[1], txt_tokens, num_ref_tokens, ref_fixed_timestep
+            )
+            leading_rows += num_ref_tokens
+        double_kwargs, single_kwargs = _attention_kwargs(
+            self, extra, kv_cache, kv_cache_mode, num_ref_tokens, txt_tokens
         )
-    out = transformer(
-        self,
-        handle.fusion,
-        cond,
-        run_double=lambda i, block, *args: _run_double(block, *args, attn_kwargs=double_kwargs[i]),
-        run_single=lambda i, block, *args: _run_single(block, *args, attn_kwargs=single_kwargs[i]),
-        run_output=_run_output,
-        leading_rows=leading_rows,
-    )
+        out = transformer(
+            self,
+            handle.fusion,
+            cond,
+            run_double=lambda i, block, *args: _run_double(block, *args, attn_kwargs=double_kwargs[i]),
+            run_single=lambda i, block, *args: _run_single(block, *args, attn_kwargs=single_kwargs[i]),
+            run_output=_run_output,
+            leading_rows=leading_rows,
+        )
     from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 
     if kv_cache_mode == "extract":  # the new cache is returned alongside, as diffusers does
@@ -382,7 +447,18 @@ def enable(model: Any, fused: bool = True) -> FusedHandle:
     existing = getattr(transformer, "_flux2_fused_handle", None)
     if existing is not None:
         return existing
-    handle = FusedHandle(transformer, Fusion(fused=fused), transformer.__dict__.get("forward"))
+    method = types.MethodType(_fused_forward, transformer)
+    # Under wrappers that end in the class's forward (accelerate's and diffusers' hooks), the fused
+    # forward takes its place there, so the wrappers run around it; a wrapper of unknown kind stays
+    # outermost and is called whole (unfused).
+    for holder, name in _forward_slots(transformer):
+        if _binds_class_forward(getattr(holder, name), transformer):
+            setattr(holder, name, method)
+            previous = None
+            break
+    else:
+        previous = transformer.__dict__.get("forward")
+        transformer.forward = method
+    handle = FusedHandle(transformer, Fusion(fused=fused), method, previous)
     transformer._flux2_fused_handle = handle
-    transformer.forward = types.MethodType(_fused_forward, transformer)
     return handle
