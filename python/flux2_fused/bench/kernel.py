@@ -8,9 +8,11 @@ Sites (`--op`):
   8 bytes an element (read residual and update, write residual and output).
 - qk_norm_rope, shapes HxT: one double block's attention prologue, H heads of 128, T joint tokens of
   which the first 512 are text: six projection outputs in (q, k, v of both streams), joint q, k, v
-  out. Eager is diffusers' chain (RMSNorm modules, concat, RoPE, concat of v); fused is one kernel
-  for q, one for k, and the same concat of v. The floor moves 12 bytes an element of q (read six
-  bf16 inputs, write three outputs).
+  out. Eager is diffusers' chain (RMSNorm modules, concat, RoPE, concat of v); fused is one launch
+  for all of it. The floor moves 12 bytes an element of q (read six bf16 inputs, write three
+  outputs). HxT:single is a single block's prologue: q and k strided chunks of the block's one wide
+  projection (q, k, v and the MLP part, klein's proportions) in, joint q and k out (v is read by
+  attention in place); the floor moves 8 bytes an element of q.
 - swiglu, shapes HxT: one feed-forward activation, the [B, T, 2H] projection in, [B, T, H] out; the
   floor moves 6 bytes an output element.
 
@@ -48,7 +50,7 @@ DEFAULT_SHAPES = {
         "6144x4608",
         "6144x8704",
     ],
-    "qk_norm_rope": ["24x4608", "48x4608", "24x1536", "48x16896"],
+    "qk_norm_rope": ["24x4608", "48x4608", "24x4608:single", "48x4608:single", "24x1536", "48x16896"],
     "swiglu": ["9216x4608", "18432x4608", "9216x512", "18432x4096"],
 }
 L2_FLUSH_BYTES = 256 << 20
@@ -66,6 +68,7 @@ class Case:
     fused: Callable[..., object]
     floor_bytes: int
     width: int  # D of the row: the hidden size, or heads x 128
+    label: str = ""  # the row's op column when it is not the op's name (a variant of the site)
 
 
 def _outputs(result: object) -> Sequence[torch.Tensor]:
@@ -91,43 +94,55 @@ def gated_resnorm_case(width: int, tokens: int, batch: int, dtype: torch.dtype) 
     return Case(sets, gated_resnorm_reference, gated_resnorm, 4 * elements * dtype.itemsize, width)
 
 
-def qk_norm_rope_case(heads: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
-    """A double block's prologue: q, k, v of text (512 rows) and image rows, four RMSNorm weights."""
-    txt, img = min(TEXT_TOKENS, tokens - 1), tokens - min(TEXT_TOKENS, tokens - 1)
+def qk_norm_rope_case(heads: int, tokens: int, batch: int, dtype: torch.dtype, layout: str = "") -> Case:
+    """A double block's prologue: q, k, v of text (512 rows) and image rows, four RMSNorm weights; or
+    (layout "single") a single block's: q and k chunks of one wide projection, two weights."""
+    if layout not in ("", "single"):
+        raise ValueError(f"unknown qk_norm_rope layout {layout!r} (HxT or HxT:single)")
+    single = layout == "single"
+    txt = 0 if single else min(TEXT_TOKENS, tokens - 1)
+    sizes = (tokens,) if single else (txt, tokens - txt)
     width = heads * HEAD_DIM
     cos, sin = rope_tables(tokens, torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0))
 
+    def weights() -> list[torch.Tensor]:
+        return [torch.randn(HEAD_DIM, device="cuda", dtype=dtype) for _ in sizes]
+
     def make() -> tuple:
-        projections = [
-            torch.randn(batch, rows, width, device="cuda", dtype=dtype).unflatten(-1, (heads, HEAD_DIM))
-            for rows in (txt, txt, txt, img, img, img)
-        ]
-        weights = [torch.randn(HEAD_DIM, device="cuda", dtype=dtype) for _ in range(4)]
-        return (*projections, *weights)
+        if single:  # q, k, v, then the MLP part (2 x 3 D wide), as klein's to_qkv_mlp_proj
+            wide = torch.randn(batch, tokens, 9 * width, device="cuda", dtype=dtype)
+            q, k = (t.unflatten(-1, (heads, HEAD_DIM)) for t in wide.split(width, dim=-1)[:2])
+            return [q], [k], None, weights(), weights()
 
-    def rows(args: tuple) -> tuple[list, list]:
-        q_txt, k_txt, _, q_img, k_img, _, wq_txt, wk_txt, wq_img, wk_img = args
-        q_rows = [qk_norm_rope.Segment(q_txt, wq_txt), qk_norm_rope.Segment(q_img, wq_img)]
-        k_rows = [qk_norm_rope.Segment(k_txt, wk_txt), qk_norm_rope.Segment(k_img, wk_img)]
-        return q_rows, k_rows
+        def projection(rows: int) -> torch.Tensor:
+            return torch.randn(batch, rows, width, device="cuda", dtype=dtype).unflatten(
+                -1, (heads, HEAD_DIM)
+            )
 
-    def eager(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q_rows, k_rows = rows(args)
-        reference = qk_norm_rope.reference.qk_norm_rope
-        value = torch.cat([args[2], args[5]], dim=1)
-        return reference(q_rows, cos, sin, 1e-6), reference(k_rows, cos, sin, 1e-6), value
+        q, k, v = ([projection(rows) for rows in sizes] for _ in range(3))
+        return q, k, v, weights(), weights()
 
-    def fused(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q_rows, k_rows = rows(args)
-        value = torch.cat([args[2], args[5]], dim=1)
-        return qk_norm_rope.qk_norm_rope(q_rows, cos, sin), qk_norm_rope.qk_norm_rope(k_rows, cos, sin), value
+    def segments(args: tuple) -> tuple[list, list, list | None]:
+        q, k, v, q_weights, k_weights = args
+        segment = qk_norm_rope.Segment
+        q_rows = [segment(x, w) for x, w in zip(q, q_weights, strict=True)]
+        return q_rows, [segment(x, w) for x, w in zip(k, k_weights, strict=True)], v
 
-    elements = batch * tokens * width
-    sets = _sets(make, 6 * elements * dtype.itemsize)
-    q_rows, _ = rows(sets[0])
-    if qk_norm_rope.decline_reason(q_rows, cos, sin) is not None:
-        raise RuntimeError(f"fused path declined H={heads} T={tokens}")
-    return Case(sets, eager, fused, 6 * elements * dtype.itemsize, width)
+    def eager(*args: object) -> tuple:
+        q, k, v = segments(args)
+        return qk_norm_rope.reference.prologue(q, k, cos, sin, 1e-6, v)[: 2 if single else 3]
+
+    def fused(*args: object) -> tuple:
+        q, k, v = segments(args)
+        return qk_norm_rope.qk_norm_rope(q, k, cos, sin, 1e-6, v)[: 2 if single else 3]
+
+    floor_bytes = (4 if single else 6) * batch * tokens * width * dtype.itemsize
+    sets = _sets(make, floor_bytes)
+    q, k, v = segments(sets[0])
+    if qk_norm_rope.decline_reason(q, k, cos, sin, v) is not None:
+        raise RuntimeError(f"fused path declined H={heads} T={tokens} {layout or 'double'}")
+    label = "qk_norm_rope single" if single else "qk_norm_rope"
+    return Case(sets, eager, fused, floor_bytes, width, label)
 
 
 def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
@@ -208,8 +223,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shapes",
         nargs="*",
         metavar="AxT",
-        help="gated_resnorm: DxT items, e.g. 6144x4608; qk_norm_rope: HxT (heads x joint tokens), "
-        "e.g. 24x4608; swiglu: HxT (hidden x tokens) (default: the op's headline shapes)",
+        help="gated_resnorm: DxT items, e.g. 6144x4608; qk_norm_rope: HxT (heads x joint tokens) for a "
+        "double block's prologue, e.g. 24x4608, HxT:single for a single block's; swiglu: HxT (hidden x "
+        "tokens) (default: the op's headline shapes)",
     )
     parser.add_argument(
         "--batch", type=int, default=1, metavar="B", help="batch size B of [B, T, D] (default 1)"
@@ -226,10 +242,11 @@ def run(args: argparse.Namespace) -> int:
     copy_gbs = copy_bandwidth_gbs()
     rows = []
     for item in args.shapes or DEFAULT_SHAPES[args.op]:
-        size, tokens = (int(v) for v in item.lower().split("x"))
-        case = CASES[args.op](size, tokens, args.batch, DTYPES[args.dtype])
+        shape, _, layout = item.lower().partition(":")
+        size, tokens = (int(v) for v in shape.split("x"))
+        case = CASES[args.op](size, tokens, args.batch, DTYPES[args.dtype], *([layout] if layout else []))
         compiled = None if args.no_compile else torch.compile(case.eager, dynamic=False)
-        rows.append(bench_case(args.op, case, tokens, args.batch, copy_gbs, compiled))
+        rows.append(bench_case(case.label or args.op, case, tokens, args.batch, copy_gbs, compiled))
         print(
             f"{args.op} {item}: fused {rows[-1].fused_graph_us:.1f} us in a graph "
             f"({rows[-1].pct_of_copy_bw:.0f}% of copy BW)",

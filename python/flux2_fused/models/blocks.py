@@ -67,17 +67,29 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> to
     return out.permute(0, 2, 1, 3).flatten(2, 3)
 
 
-def prologue(fusion: Fusion, parts: list[tuple[torch.Tensor, nn.Module]], rope: Rope) -> torch.Tensor:
-    """q or k for attention: each part's heads [B, S, H, hd] through its RMSNorm, concatenated along
-    tokens (text first), rotated: one fused launch where the guards accept. A norm that is not a
-    plain RMSNorm (hooks, a replacement) runs as a module call."""
-    norms = [norm for _, norm in parts]
+def prologue(
+    fusion: Fusion,
+    q: list[tuple[torch.Tensor, nn.Module]],
+    k: list[tuple[torch.Tensor, nn.Module]],
+    rope: Rope,
+    v: list[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """q, k (and v) for attention: each q and k part's heads [B, S, H, hd] through its RMSNorm,
+    concatenated along tokens (text first), rotated; v's parts concatenated alike (None when not
+    given): one fused launch where the guards accept. If any norm is not a plain RMSNorm (hooks, a
+    replacement), every norm runs as a module call."""
+    norms = [norm for _, norm in (*q, *k)]
     plain = all(type(norm) is nn.RMSNorm and bypassable(norm) for norm in norms)
     if not plain or len({norm.eps for norm in norms}) != 1 or norms[0].eps is None:
-        normed = [norm(x) for x, norm in parts]
-        return qk_norm_rope.reference.rope(torch.cat(normed, dim=1) if len(normed) > 1 else normed[0], *rope)
-    rows = [qk_norm_rope.Segment(x, norm.weight) for x, norm in parts]
-    return fusion.qk_norm_rope(rows, rope, norms[0].eps)
+        joint = []
+        for parts in (q, k):
+            normed = [norm(x) for x, norm in parts]
+            joint.append(
+                qk_norm_rope.reference.rope(torch.cat(normed, dim=1) if len(normed) > 1 else normed[0], *rope)
+            )
+        return joint[0], joint[1], None if v is None else torch.cat(v, dim=1)
+    segments = [[qk_norm_rope.Segment(x, norm.weight) for x, norm in parts] for parts in (q, k)]
+    return fusion.qk_norm_rope(*segments, rope, norms[0].eps, v)
 
 
 def double_attention(
@@ -98,9 +110,13 @@ def double_attention(
     c_query, c_key, c_value = (
         proj(c).unflatten(-1, shape) for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
     )
-    query = prologue(fusion, [(c_query, attn.norm_added_q), (query, attn.norm_q)], rope)
-    key = prologue(fusion, [(c_key, attn.norm_added_k), (key, attn.norm_k)], rope)
-    value = torch.cat([c_value, value], dim=1)
+    query, key, value = prologue(
+        fusion,
+        [(c_query, attn.norm_added_q), (query, attn.norm_q)],
+        [(c_key, attn.norm_added_k), (key, attn.norm_k)],
+        rope,
+        [c_value, value],
+    )
     out = sdpa(query, key, value)
     c_out, x_out = out.split_with_sizes([c.shape[1], x.shape[1]], dim=1)
     return attn.to_out[0](x_out), attn.to_add_out(c_out)
@@ -122,8 +138,7 @@ def parallel_attention(
     qkv_width = proj.shape[-1] * qkv_dim // (qkv_dim + attn.mlp_hidden_dim * attn.mlp_mult_factor)
     qkv, mlp = proj.split([qkv_width, proj.shape[-1] - qkv_width], dim=-1)
     query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
-    query = prologue(fusion, [(query, attn.norm_q)], rope)
-    key = prologue(fusion, [(key, attn.norm_k)], rope)
+    query, key, _ = prologue(fusion, [(query, attn.norm_q)], [(key, attn.norm_k)], rope)
     out = sdpa(query, key, value)
     return attn.to_out(fusion.cat_swiglu(out, mlp))
 

@@ -142,19 +142,34 @@ class Fusion:
         return library.modnorm(stream, scale, shift, eps), stream
 
     def qk_norm_rope(
-        self, rows: list[qk_norm_rope.Segment], rope: tuple[torch.Tensor, torch.Tensor], eps: float
-    ) -> torch.Tensor:
-        """Each segment's heads RMS-normalized with its weight, concatenated along tokens, rotated:
-        one kernel launch where it accepts, else diffusers' chain."""
+        self,
+        q: list[qk_norm_rope.Segment],
+        k: list[qk_norm_rope.Segment],
+        rope: tuple[torch.Tensor, torch.Tensor],
+        eps: float,
+        v: list[torch.Tensor] | None = None,
+    ) -> qk_norm_rope.Prologue:
+        """(q, k, v) for attention: each q and k segment's heads RMS-normalized with its weight,
+        concatenated along tokens, rotated; v's segments concatenated (None when not given). One
+        kernel launch where it accepts, else diffusers' chain."""
         cos, sin = rope
         if self._traced():
             from ..ops.qk_norm_rope import library
 
-            second = (rows[1].x, rows[1].weight) if len(rows) == 2 else (None, None)
-            return library.qk_norm_rope(rows[0].x, rows[0].weight, *second, cos, sin, eps)
+            out = library.qk_norm_rope(
+                [s.x for s in q],
+                [s.weight for s in q],
+                [s.x for s in k],
+                [s.weight for s in k],
+                v or [],
+                cos,
+                sin,
+                eps,
+            )
+            return out[0], out[1], out[2] if v else None
         if self._active():
-            return qk_norm_rope.apply(rows, cos, sin, eps)
-        return qk_norm_rope.reference.qk_norm_rope(rows, cos, sin, eps)
+            return qk_norm_rope.apply(q, k, cos, sin, eps, v)
+        return qk_norm_rope.reference.prologue(q, k, cos, sin, eps, v)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """`silu(a) * b` for x = [a, b]: one launch reading the projection in place where it accepts."""

@@ -1,5 +1,6 @@
-"""CPU tests of the qk_norm_rope guards and entry point: every decline reason with its message, the
-validated op's errors, garbage that never raises, and the entry point's fallback on the CPU."""
+"""CPU tests of the qk_norm_rope guards and entry point: every decline reason with its message (q/k
+segments, v segments, what one launch needs across them), the validated op's errors, garbage that
+never raises, and the entry point's fallback on the CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import pytest
 import torch
 
 from flux2_fused.ops import qk_norm_rope, runtime, verdicts
-from flux2_fused.ops.qk_norm_rope import HEAD_DIM, Segment, decline_reason, guards, segment_decline_reason
+from flux2_fused.ops.qk_norm_rope import (
+    HEAD_DIM,
+    Segment,
+    decline_reason,
+    guards,
+    segment_decline_reason,
+    value_decline_reason,
+)
 from flux2_fused.ops.verdicts import TypeReason
 
 from ..conftest import as_cuda, misaligned, reason_templates, untested
@@ -110,7 +118,33 @@ def test_decline_reason(name: str) -> None:
     assert guards.segment(*args) is False
     error = TypeError if isinstance(reason, TypeReason) else ValueError
     with pytest.raises(error, match=f"^{re.escape('flux2-fused: ' + reason)}$"):
-        qk_norm_rope.qk_norm_rope([Segment(args[0], args[1])], *args[2:])
+        rows = [Segment(args[0], args[1])]
+        qk_norm_rope.qk_norm_rope(rows, rows, *args[2:])
+
+
+V_CASES: dict[str, tuple[Any, str]] = {
+    "v not a tensor": (None, "v is not a tensor"),
+    "v heads not dense": (
+        as_cuda(torch.zeros(B, S, H, 2 * HEAD_DIM, dtype=BF16))[..., :HEAD_DIM],
+        "v heads are not dense (needs strides (..., 128, 1))",
+    ),
+    "v cpu": (_x(cuda=False), "v is on cpu, the fused kernel needs CUDA"),
+    "v misaligned": (as_cuda(misaligned(B, S, H, HEAD_DIM)), "v data pointer is not 16-byte aligned"),
+}
+
+
+@pytest.mark.parametrize("name", V_CASES)
+@pytest.mark.usefixtures("accept_runtime")
+def test_value_decline_reason(name: str) -> None:
+    """A v segment the kernel cannot copy: the reason, the guard, the entry point and the validated op."""
+    v, expected = V_CASES[name]
+    assert value_decline_reason(v) == expected
+    assert guards.value(v) is False
+    rows, cos, sin = [Segment(_x(), _args()[1])], _table(), _table()
+    assert decline_reason(rows, rows, cos, sin, [v]) == expected
+    assert qk_norm_rope.fused(rows, rows, cos, sin, 1e-6, [v]) is None
+    with pytest.raises((TypeError, ValueError), match=f"^{re.escape('flux2-fused: ' + expected)}$"):
+        qk_norm_rope.qk_norm_rope(rows, rows, cos, sin, v=[v])
 
 
 @pytest.mark.usefixtures("accept_runtime")
@@ -122,28 +156,46 @@ def test_accepts_both_flux2_layouts() -> None:
         assert segment_decline_reason(x, weight, cos, sin) is None and guards.segment(x, weight, cos, sin)
     txt = _x(2)
     joint = (_table(S + 2), _table(S + 2))
-    assert decline_reason([Segment(txt, weight), Segment(dense, weight)], *joint) is None
+    rows = [Segment(txt, weight), Segment(dense, weight)]
+    assert decline_reason(rows, rows, *joint, [_x(2), _x()]) is None
+    assert decline_reason([Segment(dense, weight)], [Segment(wide, weight)], cos, sin) is None
 
 
-ROWS_CASES = {
-    "three segments": (3, "a launch takes one or two segments, got 3"),
-    "heads differ": (None, "the segments differ in batch or heads"),
-    "table rows": (1, "the RoPE tables have 5 rows, the segments 10 tokens"),
+def _layout(kind: str) -> tuple[list, list, Any, Any, list | None]:
+    """(q, k, cos, sin, v) that one launch cannot take, each segment acceptable on its own."""
+    weight, cos, sin = _args()[1:]
+    one = [Segment(_x(), weight)]
+    two = [Segment(_x(), weight), Segment(_x(), weight)]
+    joint = _table(2 * S), _table(2 * S)
+    return {
+        "three segments": (one * 3, one * 3, cos, sin, None),
+        "segment counts": (two, one, *joint, None),
+        "heads differ": (two, [two[0], Segment(_x(width=2 * HEAD_DIM), weight)], *joint, None),
+        "tokens differ": (two, two, *joint, [_x(), _x(S - 1)]),
+        "dtype differs": (two, two, *joint, [_x(), _x(dtype=torch.float16)]),
+        "table rows": (two, two, cos, sin, None),
+    }[kind]
+
+
+LAYOUT_CASES = {
+    "three segments": "a launch takes one or two segments, got 3",
+    "segment counts": "q, k and v have different numbers of segments",
+    "heads differ": "the segments differ in batch or heads",
+    "tokens differ": "q, k and v segments differ in tokens",
+    "dtype differs": "the segments differ in dtype or device",
+    "table rows": "the RoPE tables have 5 rows, the segments 10 tokens",
 }
 
 
-@pytest.mark.parametrize("kind", ROWS_CASES)
+@pytest.mark.parametrize("kind", LAYOUT_CASES)
 @pytest.mark.usefixtures("accept_runtime")
 def test_entry_point_declines_what_one_launch_cannot_do(kind: str) -> None:
-    weight, cos, sin = _args()[1:]
-    count, expected = ROWS_CASES[kind]
-    if count is None:
-        rows = [Segment(_x(), weight), Segment(_x(width=2 * HEAD_DIM), weight)]
-        cos, sin = _table(2 * S), _table(2 * S)
-    else:
-        rows = [Segment(_x(), weight)] * (count if count > 1 else 2)
-    assert decline_reason(rows, cos, sin) == expected
-    assert qk_norm_rope.fused(rows, cos, sin, 1e-6) is None
+    q, k, cos, sin, v = _layout(kind)
+    expected = LAYOUT_CASES[kind]
+    assert decline_reason(q, k, cos, sin, v) == expected
+    assert qk_norm_rope.fused(q, k, cos, sin, 1e-6, v) is None
+    with pytest.raises(ValueError, match=f"^{re.escape('flux2-fused: ' + expected)}$"):
+        qk_norm_rope.qk_norm_rope(q, k, cos, sin, v=v)
 
 
 GARBAGE = {"None": None, "int": 0, "str": "x", "0-d": torch.tensor(1.0), "5-d": torch.zeros(1, 1, 1, 1, 128)}
@@ -179,22 +231,25 @@ def test_runtime_stage_is_keyed_by_this_op(monkeypatch: pytest.MonkeyPatch) -> N
     assert [key[0] for key in runtime._records] == ["qk_norm_rope"]
 
 
-def test_apply_on_the_cpu_is_the_eager_chain() -> None:
+@pytest.mark.parametrize("with_v", [False, True])
+def test_apply_on_the_cpu_is_the_eager_chain(with_v: bool) -> None:
     norm = torch.nn.RMSNorm(HEAD_DIM, eps=1e-6)
     x = torch.randn(B, S, H, HEAD_DIM)
-    cos, sin = torch.rand(S, HEAD_DIM), torch.rand(S, HEAD_DIM)
-    rows = [Segment(x, norm.weight), Segment(x.flip(1), norm.weight)]
-    cos2, sin2 = torch.cat([cos, cos]), torch.cat([sin, sin])
-    assert qk_norm_rope.fused(rows, cos2, sin2, 1e-6) is None
+    cos, sin = torch.rand(2 * S, HEAD_DIM), torch.rand(2 * S, HEAD_DIM)
+    q = [Segment(x, norm.weight), Segment(x.flip(1), norm.weight)]
+    k = [Segment(x * 2, norm.weight), Segment(x.flip(2), norm.weight)]
+    v = [x + 1, x - 1] if with_v else None
+    assert qk_norm_rope.fused(q, k, cos, sin, 1e-6, v) is None
     with torch.no_grad():
-        assert torch.equal(
-            qk_norm_rope.apply(rows, cos2, sin2, 1e-6),
-            qk_norm_rope.reference.qk_norm_rope(rows, cos2, sin2, 1e-6),
-        )
+        got = qk_norm_rope.apply(q, k, cos, sin, 1e-6, v)
+    assert torch.equal(got[0], qk_norm_rope.reference.qk_norm_rope(q, cos, sin, 1e-6))
+    assert torch.equal(got[1], qk_norm_rope.reference.qk_norm_rope(k, cos, sin, 1e-6))
+    assert torch.equal(got[2], torch.cat(v, dim=1)) if with_v else got[2] is None
 
 
 def test_every_decline_reason_has_a_case() -> None:
-    produced = [reason for _, reason in CASES.values()] + [reason for _, reason in ROWS_CASES.values()]
+    produced = [reason for _, reason in CASES.values()] + list(LAYOUT_CASES.values())
+    produced += [reason for _, reason in V_CASES.values()]
     templates = reason_templates(guards, qk_norm_rope)
     assert len(templates) >= 15
     missing = untested(templates, produced)

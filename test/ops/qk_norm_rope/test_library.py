@@ -10,26 +10,39 @@ from flux2_fused.ops.qk_norm_rope import HEAD_DIM, Segment, library, reference
 op = library.qk_norm_rope
 
 
-def _inputs(device: str, dtype: torch.dtype, two: bool) -> tuple:
+def _inputs(device: str, dtype: torch.dtype, two: bool, with_v: bool) -> tuple:
+    """The operator's arguments: a double block's two segments (with v) or a single block's one."""
     gen = torch.Generator(device=device)
     gen.seed()
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device).to(dtype)
 
-    x, x2 = randn(2, 5, 3, HEAD_DIM), randn(2, 7, 3, HEAD_DIM) if two else None
-    w, w2 = randn(HEAD_DIM), randn(HEAD_DIM) if two else None
-    tokens = 12 if two else 5
-    cos = torch.rand(tokens, HEAD_DIM, generator=gen, device=device)
-    return x, w, x2, w2, cos, cos.flip(0).contiguous(), 1e-6
+    sizes = (5, 7) if two else (5,)
+    q, k = [randn(2, n, 3, HEAD_DIM) for n in sizes], [randn(2, n, 3, HEAD_DIM) for n in sizes]
+    v = [randn(2, n, 3, HEAD_DIM) for n in sizes] if with_v else []
+    q_weight, k_weight = [randn(HEAD_DIM) for _ in sizes], [randn(HEAD_DIM) for _ in sizes]
+    cos = torch.rand(sum(sizes), HEAD_DIM, generator=gen, device=device)
+    return q, q_weight, k, k_weight, v, cos, cos.flip(0).contiguous(), 1e-6
+
+
+def _segments(xs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[Segment]:
+    return [Segment(x, w) for x, w in zip(xs, weights, strict=True)]
+
+
+def _expected(args: tuple) -> list[torch.Tensor]:
+    q, q_weight, k, k_weight, v, cos, sin, eps = args
+    rows = (_segments(q, q_weight), _segments(k, k_weight))
+    return [t for t in reference.prologue(*rows, cos, sin, eps, v or None) if t is not None]
 
 
 def _check(device: str, dtype: torch.dtype) -> None:
-    for two in (False, True):
-        args = _inputs(device, dtype, two)
+    for two, with_v in ((False, False), (True, False), (True, True)):
+        args = _inputs(device, dtype, two, with_v)
         torch.library.opcheck(op, args)
-        rows = [Segment(args[0], args[1])] + ([Segment(args[2], args[3])] if two else [])
-        assert torch.equal(op(*args), reference.qk_norm_rope(rows, *args[4:]))
+        got, expected = op(*args), _expected(args)
+        assert len(got) == len(expected) == (3 if with_v else 2)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -38,17 +51,16 @@ def test_opcheck_and_eager_equality_cpu(dtype):
 
 
 def test_gradients_are_the_eager_chains_cpu():
-    args = list(_inputs("cpu", torch.float32, True))
-    leaves = [a.requires_grad_() if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args]
-    op(*leaves).square().sum().backward()
-    fused_grads = [leaves[0].grad, leaves[2].grad]
-    clones = [
-        a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.dim() == 4 else a
-        for a in args
-    ]
-    rows = [Segment(clones[0], clones[1]), Segment(clones[2], clones[3])]
-    reference.qk_norm_rope(rows, *clones[4:]).square().sum().backward()
-    assert torch.equal(fused_grads[0], clones[0].grad) and torch.equal(fused_grads[1], clones[2].grad)
+    args = _inputs("cpu", torch.float32, True, True)
+    leaves = [[x.detach().clone().requires_grad_() for x in args[i]] for i in (0, 2, 4)]
+    clones = [[x.detach().clone().requires_grad_() for x in args[i]] for i in (0, 2, 4)]
+    q, k, v = leaves
+    sum(t.square().sum() for t in op(q, args[1], k, args[3], v, *args[5:])).backward()
+    q, k, v = clones
+    rows = (_segments(q, args[1]), _segments(k, args[3]))
+    sum(t.square().sum() for t in reference.prologue(*rows, *args[5:], v)).backward()
+    for fused, eager in zip(leaves, clones, strict=True):
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(fused, eager, strict=True))
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
 """The eager reference is diffusers' FLUX.2 prologue, op for op: RMSNorm modules, text-first concat,
-diffusers' own apply_rotary_emb. Checked bit for bit on the CPU for the two layouts."""
+diffusers' own apply_rotary_emb, v's concat. Checked bit for bit on the CPU for the two layouts."""
 
 from __future__ import annotations
 
@@ -43,3 +43,16 @@ def test_single_block_layout_is_diffusers_chain(dtype: torch.dtype) -> None:
     cos, sin = _tables(tokens, dim)
     expected = embeddings.apply_rotary_emb(norm(query), (cos, sin), sequence_dim=1)
     assert torch.equal(reference.qk_norm_rope([Segment(query, norm.weight)], cos, sin, 1e-6), expected)
+
+
+def test_prologue_is_q_k_and_the_concat_of_v() -> None:
+    """`prologue` = the chain for q, the chain for k, and diffusers' `cat` of v (None without v)."""
+    dim, txt, img = 16, 3, 4
+    segments = [[Segment(torch.randn(2, n, 2, dim), torch.randn(dim)) for n in (txt, img)] for _ in range(2)]
+    v = [torch.randn(2, n, 2, dim) for n in (txt, img)]
+    cos, sin = _tables(txt + img, dim)
+    q, k, value = reference.prologue(*segments, cos, sin, 1e-6, v)
+    assert torch.equal(q, reference.qk_norm_rope(segments[0], cos, sin, 1e-6))
+    assert torch.equal(k, reference.qk_norm_rope(segments[1], cos, sin, 1e-6))
+    assert torch.equal(value, torch.cat(v, dim=1))
+    assert reference.prologue(*segments, cos, sin, 1e-6)[2] is None

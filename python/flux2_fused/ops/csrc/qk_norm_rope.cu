@@ -1,7 +1,7 @@
 // tvm-ffi entry point of the attention-prologue kernel: thin shape/dtype plumbing over qk_norm_rope.cuh.
 // The Python layer (flux2_fused/ops/qk_norm_rope/) validates every input and decides when the kernel
 // may run; the checks here only stop a misuse from touching the wrong memory. A single-segment call
-// passes None for the second segment.
+// passes None for the second segment, a call without v (the single block's) None for v.
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/extra/cuda/device_guard.h>
@@ -21,39 +21,84 @@ using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
 template <typename T>
-Segment<T> make_segment(const TensorView& x, const TensorView& weight, int64_t batch, int64_t heads,
-                        DLDevice dev) {
+Rows<T> make_rows(const TensorView& x, int64_t batch, int64_t heads, DLDevice dev) {
   TVM_FFI_ICHECK(x.ndim() == 4 && x.size(0) == batch && x.size(2) == heads && x.size(3) == kHeadDim &&
                  x.stride(3) == 1 && (heads == 1 || x.stride(2) == kHeadDim))
-      << "x must be [B, S, H, 128] with dense heads";
-  TVM_FFI_ICHECK(weight.ndim() == 1 && weight.size(0) == kHeadDim && weight.stride(0) == 1)
-      << "weight must be a dense [128] vector";
+      << "inputs must be [B, S, H, 128] with dense heads";
   check_device(x, dev);
-  check_device(weight, dev);
-  return Segment<T>{data<const T>(x), data<const T>(weight), batch == 1 ? 0 : x.stride(0), x.stride(1)};
+  return Rows<T>{data<const T>(x), batch == 1 ? 0 : x.stride(0), x.stride(1)};
 }
 
 template <typename T>
-void run(TensorView out, TensorView x0, TensorView w0, Optional<TensorView> x1, Optional<TensorView> w1,
+const T* weight_data(const TensorView& weight, DLDevice dev) {
+  TVM_FFI_ICHECK(weight.ndim() == 1 && weight.size(0) == kHeadDim && weight.stride(0) == 1)
+      << "weights must be dense [128] vectors";
+  check_device(weight, dev);
+  return data<const T>(weight);
+}
+
+// An output: contiguous [B, S, H, 128] on the launch's device (the kernel writes it densely).
+void check_out(const TensorView& out, const TensorView& like, DLDevice dev) {
+  TVM_FFI_ICHECK(out.ndim() == 4 && out.size(3) == kHeadDim) << "outputs must be [B, S, H, 128]";
+  for (int i = 0; i < 4; ++i) TVM_FFI_ICHECK(out.size(i) == like.size(i)) << "outputs must have one shape";
+  TVM_FFI_ICHECK(out.stride(3) == 1 && out.stride(2) == kHeadDim && out.stride(1) == out.size(2) * kHeadDim &&
+                 (out.size(0) == 1 || out.stride(0) == out.size(1) * out.stride(1)))
+      << "outputs must be contiguous";
+  TVM_FFI_ICHECK(out.dtype() == like.dtype()) << "outputs must have one dtype";
+  check_device(out, dev);
+}
+
+template <typename T>
+void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorView q0, TensorView k0,
+         Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
+         Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1, Optional<TensorView> wk1,
          TensorView cos, TensorView sin, double eps) {
-  TVM_FFI_ICHECK(out.ndim() == 4 && out.size(3) == kHeadDim) << "out must be [B, S, H, 128]";
-  const int64_t batch = out.size(0), tokens = out.size(1), heads = out.size(2);
-  const DLDevice dev = out.device();
-  TVM_FFI_ICHECK(x1.has_value() == w1.has_value()) << "the second segment needs x and weight";
+  const DLDevice dev = q_out.device();
+  check_out(q_out, q_out, dev);
+  check_out(k_out, q_out, dev);
+  if (v_out.has_value()) check_out(*v_out, q_out, dev);
+  const int64_t batch = q_out.size(0), tokens = q_out.size(1), heads = q_out.size(2);
+  const bool two = q1.has_value();
+  TVM_FFI_ICHECK(k1.has_value() == two && wq1.has_value() == two && wk1.has_value() == two)
+      << "a second segment needs q, k and both weights";
+  TVM_FFI_ICHECK(v0.has_value() == v_out.has_value() && (!v0.has_value() || v1.has_value() == two))
+      << "v needs its output and one input a segment";
   Params<T> p{};
-  p.seg[0] = make_segment<T>(x0, w0, batch, heads, dev);
-  p.seg[1] = x1.has_value() ? make_segment<T>(*x1, *w1, batch, heads, dev) : p.seg[0];
-  p.split = x1.has_value() ? x0.size(1) : tokens;
-  TVM_FFI_ICHECK(p.split + (x1.has_value() ? (*x1).size(1) : 0) == tokens) << "segment rows must sum to S";
+  p.in[0][0] = make_rows<T>(q0, batch, heads, dev);
+  p.in[1][0] = make_rows<T>(k0, batch, heads, dev);
+  p.in[kV][0] = v0.has_value() ? make_rows<T>(*v0, batch, heads, dev) : p.in[0][0];
+  p.weight[0][0] = weight_data<T>(wq0, dev);
+  p.weight[1][0] = weight_data<T>(wk0, dev);
+  p.split = two ? q0.size(1) : tokens;
+  TVM_FFI_ICHECK(k0.size(1) == p.split && (!v0.has_value() || (*v0).size(1) == p.split))
+      << "q, k and v segments must have equal rows";
+  if (two) {
+    p.in[0][1] = make_rows<T>(*q1, batch, heads, dev);
+    p.in[1][1] = make_rows<T>(*k1, batch, heads, dev);
+    p.in[kV][1] = v1.has_value() ? make_rows<T>(*v1, batch, heads, dev) : p.in[0][1];
+    p.weight[0][1] = weight_data<T>(*wq1, dev);
+    p.weight[1][1] = weight_data<T>(*wk1, dev);
+    TVM_FFI_ICHECK(p.split + (*q1).size(1) == tokens && (*k1).size(1) == (*q1).size(1) &&
+                   (!v1.has_value() || (*v1).size(1) == (*q1).size(1)))
+        << "segment rows must sum to S, equal for q, k and v";
+  } else {
+    for (int t = 0; t < kTensors; ++t) p.in[t][1] = p.in[t][0];
+    p.weight[0][1] = p.weight[0][0];
+    p.weight[1][1] = p.weight[1][0];
+    TVM_FFI_ICHECK(p.split == tokens) << "segment rows must sum to S";
+  }
   for (const TensorView* t : {&cos, &sin}) {
     TVM_FFI_ICHECK(t->ndim() == 2 && t->size(0) == tokens && t->size(1) == kHeadDim && t->stride(1) == 1 &&
                    t->stride(0) == kHeadDim && t->dtype().code == kDLFloat && t->dtype().bits == 32)
         << "cos and sin must be contiguous float32 [S, 128]";
     check_device(*t, dev);
   }
+  p.out[0] = data<T>(q_out);
+  p.out[1] = data<T>(k_out);
+  p.out[kV] = v_out.has_value() ? data<T>(*v_out) : p.out[0];
+  p.tensors = v_out.has_value() ? 3 : 2;
   p.cos = data<const float>(cos);
   p.sin = data<const float>(sin);
-  p.out = data<T>(out);
   p.tokens = tokens;
   p.heads = static_cast<int32_t>(heads);
   p.eps = static_cast<float>(eps);
@@ -67,13 +112,17 @@ void run(TensorView out, TensorView x0, TensorView w0, Optional<TensorView> x1, 
   TVM_FFI_ICHECK(err == cudaSuccess) << "qk_norm_rope launch failed: " << cudaGetErrorString(err);
 }
 
-void qk_norm_rope(TensorView out, TensorView x0, TensorView w0, Optional<TensorView> x1,
-                  Optional<TensorView> w1, TensorView cos, TensorView sin, double eps) {
-  const DLDataType dt = out.dtype();
+// Outputs first (v's absent in a single block), then segment 0's q, k, v and weights, segment 1's
+// (absent with one segment), the tables and eps.
+void qk_norm_rope(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorView q0, TensorView k0,
+                  Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
+                  Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1,
+                  Optional<TensorView> wk1, TensorView cos, TensorView sin, double eps) {
+  const DLDataType dt = q_out.dtype();
   if (dt.code == kDLBfloat && dt.bits == 16) {
-    run<__nv_bfloat16>(out, x0, w0, x1, w1, cos, sin, eps);
+    run<__nv_bfloat16>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
-    run<__half>(out, x0, w0, x1, w1, cos, sin, eps);
+    run<__half>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
   } else {
     TVM_FFI_THROW(TypeError) << "qk_norm_rope supports bfloat16 and float16 only";
   }

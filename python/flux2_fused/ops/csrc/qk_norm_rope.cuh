@@ -1,22 +1,27 @@
-// Attention prologue: per-head RMSNorm (with weight) then interleaved RoPE, bit-exact to PyTorch eager.
+// Attention prologue: per-head RMSNorm (with weight) then interleaved RoPE of q and k, bit-exact to
+// PyTorch eager, and in a double block the text + image concatenation of v, in one launch.
 //
-// Eager computes, per head row of 128 elements x (docs/numerics.md derives it):
+// Eager computes, per head row of 128 elements x of q or k (docs/numerics.md derives it):
 //   s   = sum of x_j^2, lane l of one warp owning x[4l..4l+3]: s = fma(x, x, s) in element order, then
 //         a shuffle-down tree over the 32 lanes (aten's vectorized_layer_norm_kernel in rms mode)
 //   r   = rsqrtf(RN(s / 128) + float(eps))
 //   y_j = T(RN(g_j * RN(r * x_j)))                                 the RMSNorm output, rounded to T
 //   out = T(RN(RN(y_j * cos_j) + RN(rot_j * sin_j)))               RoPE: three fp32 aten ops, then .to(T)
 // with rot_2i = -y_2i+1, rot_2i+1 = y_2i. Every fp32 op is an explicit-rounding intrinsic; the module
-// is built without --use_fast_math (IEEE division, rsqrtf as aten calls it, no flush-to-zero).
+// is built without --use_fast_math (IEEE division, rsqrtf as aten calls it, no flush-to-zero). v's rows
+// are copied unchanged (torch.cat moves bits).
 //
-// One block of 128 threads handles one token: its warps share the token's cos/sin row (loaded once
-// into registers). A head row is 256 bytes, so half a warp covers it with one 16-byte load a lane:
-// lane m of a half owns elements 8m..8m+7, i.e. aten's threads 2m and 2m+1, and keeps their two
-// partial sums apart, so aten's shuffle tree (offsets 16, 8, 4, 2 over its threads) becomes offsets
-// 8, 4, 2, 1 over the half's lanes on each partial sum, and its last step (offset 1) the sum of the
-// two. Each half-warp has all of its heads in flight at once (up to kRowsInFlight). The output is
-// the joint [B, S, H, 128] tensor, contiguous; its rows come from up to two input segments (text,
-// then image rows of a double block), each with its own strides and RMSNorm weight.
+// One block of 128 threads handles one token: q's, k's (and v's) head rows of that token, with the
+// token's cos/sin row loaded once into registers for q and k together. A head row is 256 bytes, so
+// half a warp covers it with one 16-byte load a lane: lane m of a half owns elements 8m..8m+7, i.e.
+// aten's threads 2m and 2m+1, and keeps their two partial sums apart, so aten's shuffle tree (offsets
+// 16, 8, 4, 2 over its threads) becomes offsets 8, 4, 2, 1 over the half's lanes on each partial sum,
+// and its last step (offset 1) the sum of the two. The unit of work of a warp is a pair of head rows
+// of one tensor (its halves take heads 2i and 2i+1), so which tensor a warp works on, and whether it
+// runs the norm's shuffles, is uniform across the warp; the token's units (q's pairs, then k's, then
+// v's) are dealt to the four warps in turn, kRowsInFlight of them loaded before any is computed. Each
+// output is a contiguous [B, S, H, 128] tensor; its rows come from up to two input segments (text,
+// then image rows of a double block), each with its own strides and (q, k) RMSNorm weight.
 #pragma once
 
 #include "common.cuh"
@@ -27,29 +32,34 @@ namespace qk_norm_rope {
 constexpr int kHeadDim = 128;
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kHalves = 2 * kWarps;  // half-warps in a block, one head row each at a time
-constexpr int kRowsInFlight = 6;      // head rows a half-warp loads before it computes
+constexpr int kRowsInFlight = 6;  // units (row pairs) a warp loads before it computes
+// Five blocks an SM: the register cap (96) that ptxas meets without spilling at six units in flight,
+// i.e. 5 x 4 warps x 6 units x 512 bytes = 60 KB of loads in flight an SM.
+constexpr int kMinBlocks = 5;
+constexpr int kTensors = 3;       // q, k, v
+constexpr int kV = 2;             // v's index: rows copied, not normalized
 
 template <typename T>
 using Oct = Packed<T, 4>;  // eight elements, 16 bytes: one lane's share of a head row
 
 template <typename T>
-struct Segment {
+struct Rows {
   const T* x;             // [B, rows, H, 128]: heads dense, any row and batch stride
-  const T* weight;        // [128]
   int64_t batch_stride;   // elements; 0 when B == 1
   int64_t row_stride;
 };
 
 template <typename T>
 struct Params {
-  Segment<T> seg[2];
-  const float* cos;       // [S, 128], contiguous
+  Rows<T> in[kTensors][2];   // [q, k, v][text, image]; one segment: [t][1] repeats [t][0]
+  const T* weight[2][2];     // [q, k][segment]: [128] each
+  T* out[kTensors];          // [B, S, H, 128] each, contiguous; out[kV] unused when tensors == 2
+  const float* cos;          // [S, 128], contiguous
   const float* sin;
-  T* out;                 // [B, S, H, 128], contiguous
-  int64_t tokens;         // S = rows of both segments
-  int64_t split;          // tokens < split come from seg[0]
+  int64_t tokens;            // S = rows of both segments
+  int64_t split;             // tokens < split come from segment 0
   int32_t heads;
+  int32_t tensors;           // 2: q and k; 3: v's rows copied too
   float eps;
 };
 
@@ -59,50 +69,73 @@ __device__ __forceinline__ Oct<T> load_oct(const T* p) {
   return *reinterpret_cast<const Oct<T>*>(&raw);
 }
 
+// This lane's place in tensor t's row of the token: field by field (a run-time index into the
+// parameter struct would copy it to local memory).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const Params<T> p) {
+__device__ __forceinline__ const T* row_of(const Rows<T> (&in)[2], bool second, int64_t b, int64_t seg_row) {
+  const T* x = second ? in[1].x : in[0].x;
+  const int64_t batch_stride = second ? in[1].batch_stride : in[0].batch_stride;
+  const int64_t row_stride = second ? in[1].row_stride : in[0].row_stride;
+  return x + b * batch_stride + seg_row * row_stride;
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 load_weight(const T* w) {
+  return __ldg(reinterpret_cast<const uint4*>(w));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(const Params<T> p) {
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x & 15;            // lane within the half-warp: elements 8 lane .. + 7
-  const int half = threadIdx.x >> 4;            // half-warp index in the block
+  const int odd = (threadIdx.x >> 4) & 1;       // which half of its warp: head 2i + odd of a pair
+  const int warp = threadIdx.x >> 5;
   const int64_t token_index = blockIdx.x;       // b * S + s
   const int64_t b = token_index / p.tokens;
   const int64_t s = token_index - b * p.tokens;
   const bool second = s >= p.split;
-  // Field by field (a run-time index into the parameter struct would copy it to local memory).
-  const T* x_base = second ? p.seg[1].x : p.seg[0].x;
-  const T* weight = second ? p.seg[1].weight : p.seg[0].weight;
-  const int64_t batch_stride = second ? p.seg[1].batch_stride : p.seg[0].batch_stride;
-  const int64_t row_stride = second ? p.seg[1].row_stride : p.seg[0].row_stride;
   const int64_t seg_row = second ? s - p.split : s;
-  const T* x_row = x_base + b * batch_stride + seg_row * row_stride + 8 * lane;
-  T* out_row = p.out + token_index * int64_t(p.heads) * kHeadDim + 8 * lane;
+  const int64_t out_offset = token_index * int64_t(p.heads) * kHeadDim + 8 * lane;
+  const T* src_q = row_of(p.in[0], second, b, seg_row) + 8 * lane;
+  const T* src_k = row_of(p.in[1], second, b, seg_row) + 8 * lane;
+  const T* src_v = row_of(p.in[kV], second, b, seg_row) + 8 * lane;
 
-  // This lane's channels 8 lane .. + 7 of the token's tables and of the segment's weight.
+  // This lane's channels 8 lane .. + 7 of the token's tables and of the segment's q and k weights.
   const float4* cos4 = reinterpret_cast<const float4*>(p.cos + s * kHeadDim + 8 * lane);
   const float4* sin4 = reinterpret_cast<const float4*>(p.sin + s * kHeadDim + 8 * lane);
   const float4 ca = __ldg(cos4), cb = __ldg(cos4 + 1), sa = __ldg(sin4), sb = __ldg(sin4 + 1);
   const float c[8] = {ca.x, ca.y, ca.z, ca.w, cb.x, cb.y, cb.z, cb.w};
   const float sn[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
-  const uint4 graw = __ldg(reinterpret_cast<const uint4*>(weight + 8 * lane));
-  const Oct<T> gv = *reinterpret_cast<const Oct<T>*>(&graw);
-  float g[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) g[i] = gv.get(i);
+  const uint4 gq = load_weight((second ? p.weight[0][1] : p.weight[0][0]) + 8 * lane);
+  const uint4 gk = load_weight((second ? p.weight[1][1] : p.weight[1][0]) + 8 * lane);
 
-  // Loop bounds and breaks follow the warp's even half, so both halves run every shuffle together
-  // (the odd half may be one head past the end; it then computes on zeros and stores nothing).
-  const int even_half = half & ~1;
-  for (int base = 0; base + even_half < p.heads; base += kHalves * kRowsInFlight) {
+  // Unit u: tensor t = u / pairs, heads 2 (u - t pairs) + {0, 1}. With H odd the odd half of a
+  // tensor's last pair is one head past the end: it runs the shuffles on zeros and stores nothing.
+  const int pairs = (p.heads + 1) >> 1;
+  const int units = p.tensors * pairs;
+  for (int first = warp; first < units; first += kWarps * kRowsInFlight) {
     Oct<T> xs[kRowsInFlight];
 #pragma unroll
     for (int u = 0; u < kRowsInFlight; ++u) {
-      const int h = base + half + kHalves * u;
-      if (h < p.heads) xs[u] = load_oct<T>(x_row + int64_t(h) * kHeadDim);
+      const int unit = first + kWarps * u;
+      const int t = (unit >= pairs) + (unit >= 2 * pairs);
+      const int h = 2 * (unit - t * pairs) + odd;
+      if (unit < units && h < p.heads) {
+        const T* src = t == 0 ? src_q : (t == 1 ? src_k : src_v);
+        xs[u] = load_oct<T>(src + int64_t(h) * kHeadDim);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kRowsInFlight; ++u) {
-      if (base + even_half + kHalves * u >= p.heads) break;  // uniform across the warp
-      const int h = base + half + kHalves * u;
+      const int unit = first + kWarps * u;
+      if (unit >= units) break;  // uniform across the warp
+      const int t = (unit >= pairs) + (unit >= 2 * pairs);
+      const int h = 2 * (unit - t * pairs) + odd;
+      T* dst = (t == 0 ? p.out[0] : (t == 1 ? p.out[1] : p.out[kV])) + out_offset + int64_t(h) * kHeadDim;
+      if (t == kV) {  // uniform across the warp: v's rows, moved as they are
+        if (h < p.heads) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&xs[u]);
+        continue;
+      }
       float x[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) x[i] = h < p.heads ? xs[u].get(i) : 0.0f;
@@ -121,17 +154,22 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const Params<T> 
       if (h >= p.heads) continue;
       const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(sum, float(kHeadDim)), p.eps));
       // RMSNorm output rounded to T, then RoPE on the rounded values.
+      // q's or k's weight, word by word (selecting a whole struct would put it on the stack).
+      const bool is_q = t == 0;
+      const uint4 graw =
+          make_uint4(is_q ? gq.x : gk.x, is_q ? gq.y : gk.y, is_q ? gq.z : gk.z, is_q ? gq.w : gk.w);
+      const Oct<T> gv = *reinterpret_cast<const Oct<T>*>(&graw);
       float y[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) y[i] = Elem<T>::round(__fmul_rn(g[i], __fmul_rn(rstd, x[i])));
+      for (int i = 0; i < 8; ++i) y[i] = Elem<T>::round(__fmul_rn(gv.get(i), __fmul_rn(rstd, x[i])));
       Oct<T> result;
 #pragma unroll
       for (int i = 0; i < 8; i += 2) {
         const float even = __fadd_rn(__fmul_rn(y[i], c[i]), __fmul_rn(-y[i + 1], sn[i]));
-        const float odd = __fadd_rn(__fmul_rn(y[i + 1], c[i + 1]), __fmul_rn(y[i], sn[i + 1]));
-        result.p[i >> 1] = Elem<T>::pack(even, odd);
+        const float odd_out = __fadd_rn(__fmul_rn(y[i + 1], c[i + 1]), __fmul_rn(y[i], sn[i + 1]));
+        result.p[i >> 1] = Elem<T>::pack(even, odd_out);
       }
-      *reinterpret_cast<uint4*>(out_row + int64_t(h) * kHeadDim) = *reinterpret_cast<const uint4*>(&result);
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&result);
     }
   }
 }

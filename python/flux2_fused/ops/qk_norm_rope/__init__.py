@@ -1,12 +1,13 @@
-"""qk_norm_rope: the attention prologue, per-head RMSNorm with weight then RoPE, fused.
+"""qk_norm_rope: the attention prologue, per-head RMSNorm with weight then RoPE of q and k, fused.
 
-The entry point for models is `apply(rows, cos, sin, eps)`: the joint rotated q (or k) [B, S, H, 128]
-from the kernel where the guards prove it exact, else from the eager chain of `reference`, bit for
-bit the same. `rows` is one segment (a single block's joint rows) or two (a double block's text then
-image rows, each with its own RMSNorm weight): the kernel writes both into the joint buffer, so the
-eager `cat` disappears. `fused` is the same decision without the fallback; `qk_norm_rope` is the
-validated op that raises for inputs the kernel cannot take. Under torch.compile the sites are
-`torch.ops.flux2_fused.qk_norm_rope` (`library`).
+The entry point for models is `apply(q, k, cos, sin, eps, v=None) -> (q, k, v)`: attention's joint
+rotated q and k [B, S, H, 128] (and v's joint rows) from one kernel launch where the guards prove it
+exact, else from the eager chain of `reference`, bit for bit the same. `q` and `k` are one segment
+each (a single block's joint rows) or two (a double block's text then image rows, each with its own
+RMSNorm weight); `v`, a double block's text and image v, is concatenated in the same launch, so the
+eager `cat`s disappear, and the token's RoPE tables are read once for q and k. `fused` is the same
+decision without the fallback; `qk_norm_rope` is the validated op that raises for inputs the kernel
+cannot take. Under torch.compile the sites are `torch.ops.flux2_fused.qk_norm_rope` (`library`).
 """
 
 from __future__ import annotations
@@ -16,69 +17,113 @@ from collections.abc import Sequence
 import torch
 
 from . import guards, reference
-from .guards import SUPPORTED_DTYPES, segment_decline_reason
+from .guards import SUPPORTED_DTYPES, segment_decline_reason, value_decline_reason
 from .launch import launch
 from .reference import Segment
 from .selfcheck import HEAD_DIM, OP, Config, self_check
 
+Prologue = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
-def _rows_reason(rows: Sequence[Segment], cos: torch.Tensor) -> str | None:
+
+def _layout_reason(
+    q: Sequence[Segment], k: Sequence[Segment], cos: torch.Tensor, v: Sequence[torch.Tensor] | None
+) -> str | None:
     """What one launch cannot do with these segments, whatever each segment's own layout."""
-    if len(rows) not in (1, 2):
-        return f"a launch takes one or two segments, got {len(rows)}"
-    first = rows[0].x
-    for segment in rows[1:]:
-        if segment.x.dim() != 4 or first.dim() != 4 or segment.x.shape[::2] != first.shape[::2]:
-            return "the segments differ in batch or heads"
-    tokens = sum(segment.x.shape[1] for segment in rows)
+    if len(q) not in (1, 2):
+        return f"a launch takes one or two segments, got {len(q)}"
+    if len(k) != len(q) or (v is not None and len(v) != len(q)):
+        return "q, k and v have different numbers of segments"
+    first = q[0].x
+    for i, segment in enumerate(q):
+        inputs = [segment.x, k[i].x] + ([v[i]] if v is not None else [])
+        for x in inputs:
+            if x.dim() != 4 or first.dim() != 4 or x.shape[::2] != first.shape[::2]:
+                return "the segments differ in batch or heads"
+            if x.shape[1] != segment.x.shape[1]:
+                return "q, k and v segments differ in tokens"
+            if x.dtype != first.dtype or x.device != first.device:
+                return "the segments differ in dtype or device"
+    tokens = sum(segment.x.shape[1] for segment in q)
     if cos.dim() != 2 or cos.shape[0] != tokens:
         return f"the RoPE tables have {cos.shape[0] if cos.dim() else 0} rows, the segments {tokens} tokens"
     return None
 
 
-def decline_reason(rows: Sequence[Segment], cos: torch.Tensor, sin: torch.Tensor) -> str | None:
-    """Why `fused(rows, cos, sin, eps)` declines, or None when it launches the kernel."""
+def decline_reason(
+    q: Sequence[Segment],
+    k: Sequence[Segment],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    v: Sequence[torch.Tensor] | None = None,
+) -> str | None:
+    """Why `fused(q, k, cos, sin, eps, v)` declines, or None when it launches the kernel."""
     reason = None
-    for segment in rows:
+    for segment in (*q, *k):
         reason = reason or segment_decline_reason(segment.x, segment.weight, cos, sin)
-    return reason or _rows_reason(rows, cos)
+    for x in v or ():
+        reason = reason or value_decline_reason(x)
+    return reason or _layout_reason(q, k, cos, v)
 
 
-def fused(rows: Sequence[Segment], cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """The joint rotated rows from one kernel launch, or None where the guards decline."""
+def fused(
+    q: Sequence[Segment],
+    k: Sequence[Segment],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    v: Sequence[torch.Tensor] | None = None,
+) -> Prologue | None:
+    """(q, k, v) from one kernel launch, or None where the guards decline."""
     if not isinstance(eps, float | int):  # eps=None means aten's own default, not ours to guess
         return None
-    for segment in rows:
-        if not guards.segment(segment.x, segment.weight, cos, sin):
-            return None
     try:
-        if _rows_reason(rows, cos) is not None:
+        for segment in (*q, *k):
+            if not guards.segment(segment.x, segment.weight, cos, sin):
+                return None
+        if v is not None and not all(guards.value(x) for x in v):
+            return None
+        if _layout_reason(q, k, cos, v) is not None:
             return None
     except Exception:  # not segments of tensors: declined, as the guards decline garbage
         return None
-    return launch(rows, cos, sin, eps)
+    return launch(q, k, cos, sin, eps, v)
 
 
-def apply(rows: Sequence[Segment], cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
-    """`fused` where it accepts, else the eager chain (`reference.qk_norm_rope`): the same bits."""
-    out = fused(rows, cos, sin, eps)
-    return out if out is not None else reference.qk_norm_rope(rows, cos, sin, eps)
+def apply(
+    q: Sequence[Segment],
+    k: Sequence[Segment],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    v: Sequence[torch.Tensor] | None = None,
+) -> Prologue:
+    """`fused` where it accepts, else the eager chain (`reference.prologue`): the same bits."""
+    out = fused(q, k, cos, sin, eps, v)
+    return out if out is not None else reference.prologue(q, k, cos, sin, eps, v)
 
 
 def qk_norm_rope(
-    rows: Sequence[Segment], cos: torch.Tensor, sin: torch.Tensor, eps: float = 1e-6
-) -> torch.Tensor:
-    """The kernel, without the self-check: the joint rotated rows [B, sum S, H, 128].
+    q: Sequence[Segment],
+    k: Sequence[Segment],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float = 1e-6,
+    v: Sequence[torch.Tensor] | None = None,
+) -> Prologue:
+    """The kernel, without the self-check: (q, k, v), each joint [B, sum S, H, 128], v None when not
+    given.
 
     Unsupported inputs raise TypeError (types, dtypes, devices) or ValueError (shapes, strides,
     alignment) naming the problem.
     """
-    for segment in rows:
+    for segment in (*q, *k):
         guards.segment.validate(segment.x, segment.weight, cos, sin)
-    reason = _rows_reason(rows, cos)
+    for x in v or ():
+        guards.value.validate(x)
+    reason = _layout_reason(q, k, cos, v)
     if reason is not None:
         raise ValueError(f"flux2-fused: {reason}")
-    return launch(rows, cos, sin, eps)
+    return launch(q, k, cos, sin, eps, v)
 
 
 __all__ = [
@@ -86,6 +131,7 @@ __all__ = [
     "OP",
     "SUPPORTED_DTYPES",
     "Config",
+    "Prologue",
     "Segment",
     "apply",
     "decline_reason",
@@ -95,4 +141,5 @@ __all__ = [
     "reference",
     "segment_decline_reason",
     "self_check",
+    "value_decline_reason",
 ]

@@ -1,10 +1,12 @@
-"""Why the qk_norm_rope kernel cannot take a segment: the checks, in words, and the boolean guard.
+"""Why the qk_norm_rope kernel cannot take a segment: the checks, in words, and the boolean guards.
 
-The kernel reproduces eager for x [B, S, H, 128] views whose heads are dense (any row and batch
-stride that keeps 16-byte alignment: the single block's q and k are chunks of one wide projection),
-a [128] RMSNorm weight of x's dtype, fp32 [S_total, 128] RoPE tables, one 16-bit float dtype on one
-CUDA device, 16-byte-aligned data (the kernel moves 16 bytes a lane; aten's vectorized RMSNorm needs
-8) and no autograd. Everything else declines to the eager chain.
+The kernel reproduces eager for q and k segments x [B, S, H, 128] whose heads are dense (any row and
+batch stride that keeps 16-byte alignment: the single block's q and k are chunks of one wide
+projection), with a [128] RMSNorm weight of x's dtype and fp32 [S_total, 128] RoPE tables, and for v
+segments of the same layout (copied only); one 16-bit float dtype on one CUDA device, 16-byte-aligned
+data (the kernel moves 16 bytes a lane; aten's vectorized RMSNorm needs 8) and no autograd.
+Everything else declines to the eager chain. `segment` guards one q or k segment, `value` one v
+segment; what one launch needs across them is `_layout_reason` in the package's `__init__`.
 """
 
 from __future__ import annotations
@@ -20,18 +22,24 @@ from .selfcheck import HEAD_DIM, OP, Config
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _x_reason(x: Any) -> Reason:
+def _x_reason(x: Any, name: str = "x") -> Reason:
+    """The layout of one input's rows (`name` as the message calls it): dense heads of 128, 16-byte
+    rows, a supported dtype on CUDA."""
     if not isinstance(x, torch.Tensor):
-        return TypeReason("x is not a tensor")
+        return TypeReason(f"{name} is not a tensor")
     if x.dim() != 4:
-        return f"x must be [B, S, H, head_dim], got {tuple(x.shape)}"
+        return f"{name} must be [B, S, H, head_dim], got {tuple(x.shape)}"
     if x.shape[-1] != HEAD_DIM:
         return f"head_dim {x.shape[-1]} is not {HEAD_DIM} (the kernel reproduces aten's reduction for 128)"
     if x.stride(-1) != 1 or (x.shape[-2] > 1 and x.stride(-2) != HEAD_DIM):
-        return "x heads are not dense (needs strides (..., 128, 1))"
-    for axis, name in ((1, "row"), (0, "batch")):
+        return f"{name} heads are not dense (needs strides (..., 128, 1))"
+    for axis, stride in ((1, "row"), (0, "batch")):
         if x.shape[axis] > 1 and x.stride(axis) % 8 != 0:
-            return f"x {name} stride {x.stride(axis)} is not a multiple of 8 elements"
+            return f"{name} {stride} stride {x.stride(axis)} is not a multiple of 8 elements"
+    if x.device.type != "cuda":
+        return TypeReason(f"{name} is on {x.device}, the fused kernel needs CUDA")
+    if x.dtype not in SUPPORTED_DTYPES:
+        return TypeReason(f"dtype {x.dtype} is not supported (bfloat16, float16)")
     return None
 
 
@@ -54,10 +62,6 @@ def _metadata_reason(x: Any, weight: Any, cos: Any, sin: Any) -> Reason:
         return TypeReason("weight is not a tensor")
     if weight.shape != (HEAD_DIM,) or weight.stride(0) != 1:
         return f"weight must be a dense [{HEAD_DIM}] vector, got {tuple(weight.shape)}"
-    if x.device.type != "cuda":
-        return TypeReason(f"x is on {x.device}, the fused kernel needs CUDA")
-    if x.dtype not in SUPPORTED_DTYPES:
-        return TypeReason(f"dtype {x.dtype} is not supported (bfloat16, float16)")
     if weight.dtype != x.dtype:
         return TypeReason(f"weight is {weight.dtype}, x is {x.dtype} (eager would promote)")
     for name, t in (("weight", weight), ("cos", cos), ("sin", sin)):
@@ -76,8 +80,14 @@ def _runtime_reason(x: torch.Tensor, *_: Any) -> Reason:
 segment = Guard(
     ("x", "weight", "cos", "sin"), lambda *args: _metadata_reason(*args), _runtime_reason, align=16
 )
+value = Guard(("v",), lambda v: _x_reason(v, "v"), _runtime_reason, align=16)
 
 
 def segment_decline_reason(x: Any, weight: Any, cos: Any, sin: Any) -> Reason:
-    """Why the kernel declines this segment, or None when it accepts it."""
+    """Why the kernel declines this q or k segment, or None when it accepts it."""
     return segment.reason(x, weight, cos, sin)
+
+
+def value_decline_reason(v: Any) -> Reason:
+    """Why the kernel declines this v segment, or None when it accepts it."""
+    return value.reason(v)

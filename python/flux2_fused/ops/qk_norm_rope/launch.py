@@ -14,12 +14,26 @@ SPEC = jit.KernelSpec(
 )
 
 
-def launch(rows: Sequence[Segment], cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
-    """The joint rotated rows [B, sum S, H, head_dim], contiguous (the layout eager's RoPE returns,
-    so attention sees the same strides), from one launch over one or two segments."""
-    first = rows[0].x
-    tokens = sum(segment.x.shape[1] for segment in rows)
-    out = first.new_empty((first.shape[0], tokens, *first.shape[2:]))
-    second = (rows[1].x, rows[1].weight) if len(rows) == 2 else (None, None)
-    jit.module_for(SPEC, first.device).qk_norm_rope(out, first, rows[0].weight, *second, cos, sin, float(eps))
-    return out
+def launch(
+    q: Sequence[Segment],
+    k: Sequence[Segment],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    v: Sequence[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q, k, v) from one launch over one or two segments: each a joint [B, sum S, H, head_dim],
+    contiguous (the layout eager's RoPE and concat return, so attention sees the same strides);
+    v None when not given."""
+    first = q[0].x
+    shape = (first.shape[0], sum(segment.x.shape[1] for segment in q), *first.shape[2:])
+    q_out, k_out = first.new_empty(shape), first.new_empty(shape)
+    v_out = None if v is None else first.new_empty(shape)
+    inputs = []
+    for i in range(2):
+        if i < len(q):
+            inputs += [q[i].x, k[i].x, None if v is None else v[i], q[i].weight, k[i].weight]
+        else:
+            inputs += [None] * 5
+    jit.module_for(SPEC, first.device).qk_norm_rope(q_out, k_out, v_out, *inputs, cos, sin, float(eps))
+    return q_out, k_out, v_out

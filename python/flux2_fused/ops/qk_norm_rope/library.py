@@ -1,8 +1,10 @@
 """The op as a torch.library operator, so torch.compile keeps the fused prologue as one node.
 
-`torch.ops.flux2_fused.qk_norm_rope(x, weight, x2, weight2, cos, sin, eps) -> out` is `apply` over
-one segment (x2 and weight2 None) or two: the kernel where the guards accept (decided when the op
-runs), the eager chain elsewhere. Where a gradient is needed it is the differentiable eager chain.
+`torch.ops.flux2_fused.qk_norm_rope(q, q_weight, k, k_weight, v, cos, sin, eps) -> [q, k(, v)]` is
+`apply` over one or two segments: q and k are lists of segment rows with their lists of RMSNorm
+weights, v the list of v's segments, empty where attention reads v as it is (the single block), and
+then only q and k come back. The kernel runs where the guards accept (decided when the op runs), the
+eager chain elsewhere; where a gradient is needed it is the differentiable eager chain.
 """
 
 from __future__ import annotations
@@ -14,27 +16,32 @@ from .reference import Segment
 
 _LIB = torch.library.Library("flux2_fused", "FRAGMENT")
 _LIB.define(
-    "qk_norm_rope(Tensor x, Tensor weight, Tensor? x2, Tensor? weight2, Tensor cos, Tensor sin, float eps)"
-    " -> Tensor"
+    "qk_norm_rope(Tensor[] q, Tensor[] q_weight, Tensor[] k, Tensor[] k_weight, Tensor[] v, Tensor cos,"
+    " Tensor sin, float eps) -> Tensor[]"
 )
 
 
-def _rows(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor | None, weight2: torch.Tensor | None):
-    return [Segment(x, weight)] + ([Segment(x2, weight2)] if x2 is not None else [])
+def _segments(xs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[Segment]:
+    return [Segment(x, w) for x, w in zip(xs, weights, strict=True)]
 
 
-def _qk_norm_rope(x, weight, x2, weight2, cos, sin, eps):
-    return apply(_rows(x, weight, x2, weight2), cos, sin, eps)
+def _outputs(result: tuple) -> list[torch.Tensor]:
+    return [t for t in result if t is not None]
 
 
-def _autograd(x, weight, x2, weight2, cos, sin, eps):
+def _qk_norm_rope(q, q_weight, k, k_weight, v, cos, sin, eps):
+    return _outputs(apply(_segments(q, q_weight), _segments(k, k_weight), cos, sin, eps, v or None))
+
+
+def _autograd(q, q_weight, k, k_weight, v, cos, sin, eps):
     """The eager chain (differentiable) when a gradient is needed, else the implementation below
     autograd. Inference mode never reaches it."""
-    tensors = (x, weight, x2, weight2, cos, sin)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return reference.qk_norm_rope(_rows(x, weight, x2, weight2), cos, sin, eps)
+    tensors = (*q, *q_weight, *k, *k_weight, *v, cos, sin)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        rows = (_segments(q, q_weight), _segments(k, k_weight))
+        return _outputs(reference.prologue(*rows, cos, sin, eps, v or None))
     with torch._C._AutoDispatchBelowAutograd():
-        return qk_norm_rope(x, weight, x2, weight2, cos, sin, eps)
+        return qk_norm_rope(q, q_weight, k, k_weight, v, cos, sin, eps)
 
 
 qk_norm_rope = torch.ops.flux2_fused.qk_norm_rope.default
@@ -43,6 +50,7 @@ _LIB.impl("qk_norm_rope", _autograd, "Autograd")
 
 
 @torch.library.register_fake("flux2_fused::qk_norm_rope", lib=_LIB)
-def _(x, weight, x2, weight2, cos, sin, eps):
-    tokens = x.shape[1] + (x2.shape[1] if x2 is not None else 0)
-    return x.new_empty((x.shape[0], tokens, *x.shape[2:]))
+def _(q, q_weight, k, k_weight, v, cos, sin, eps):
+    first = q[0]
+    shape = (first.shape[0], sum(x.shape[1] for x in q), *first.shape[2:])
+    return [first.new_empty(shape) for _ in range(3 if v else 2)]

@@ -1,11 +1,12 @@
-"""The eager attention prologue the kernel replaces: RMSNorm of each head, then RoPE, op for op as
-diffusers' FLUX.2 attention processors write it.
+"""The eager attention prologue the kernel replaces: RMSNorm of each head of q and k, then RoPE, op
+for op as diffusers' FLUX.2 attention processors write it, and a double block's concat of v.
 
 A double block normalizes text and image rows with their own weights (`norm_added_q` / `norm_q`),
-concatenates them text first, and rotates the joint rows; a single block normalizes and rotates its
-joint rows at once. RoPE is elementwise per (token, channel), so the rotation of a concat is the
-concat of the rotations: the kernel writes both segments' rows straight into the joint buffer.
-docs/numerics.md gives the arithmetic.
+concatenates them text first, and rotates the joint rows; v's text and image rows are concatenated
+alike. A single block normalizes and rotates its joint rows at once, and attention reads its v as it
+is. RoPE is elementwise per (token, channel), so the rotation of a concat is the concat of the
+rotations: the kernel writes both segments' rows straight into the joint buffers. docs/numerics.md
+gives the arithmetic.
 """
 
 from __future__ import annotations
@@ -48,3 +49,17 @@ def qk_norm_rope(
     normed = [rms_norm(segment.x, segment.weight, eps) for segment in rows]
     joint = normed[0] if len(normed) == 1 else torch.cat(normed, dim=1)
     return rope(joint, cos, sin)
+
+
+def prologue(
+    q: Sequence[Segment],
+    k: Sequence[Segment],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float = 1e-6,
+    v: Sequence[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q, k, v) for attention: q's and k's joint rotated rows, and v's segments concatenated along
+    tokens (None when v is not given: the single block's v needs no copy)."""
+    value = None if v is None else torch.cat(list(v), dim=1)
+    return qk_norm_rope(q, cos, sin, eps), qk_norm_rope(k, cos, sin, eps), value

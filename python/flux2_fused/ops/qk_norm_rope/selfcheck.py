@@ -1,9 +1,9 @@
 """The live self-check: the kernel against eager on this device, once per dtype and process.
 
-It feeds both FLUX.2 layouts (a double block's two segments with their own weights, dense [B, S, H*128]
-projections; a single block's q chunk of one wide projection), rows that break naive kernels
-(constant, all zero, huge, tiny, NaN, +-Inf), real RoPE tables, and rows of random bit patterns in
-x, the weight and finite fp32 tables.
+It feeds both FLUX.2 layouts (a double block's q, k and v in two segments, q and k with their own
+weights, dense [B, S, H*128] projections; a single block's q and k chunks of one wide projection, no
+v), rows that break naive kernels (constant, all zero, huge, tiny, NaN, +-Inf), real RoPE tables, and
+rows of random bit patterns in q, k, v, the weights and finite fp32 tables.
 """
 
 from __future__ import annotations
@@ -67,25 +67,52 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     batch, heads, txt, img = 2, 3, 13, 29
     tokens = txt + img
     cos, sin = rope_tables(tokens, device, gen)
-    q_txt = randn(batch, txt, heads * HEAD_DIM).unflatten(-1, (heads, HEAD_DIM))
-    q_img = randn(batch, img, heads * HEAD_DIM).unflatten(-1, (heads, HEAD_DIM))
-    _edge_rows(q_img, big, small)
-    w_txt, w_img = randn(HEAD_DIM), randn(HEAD_DIM)
+
+    def projection(rows: int) -> torch.Tensor:
+        return randn(batch, rows, heads * HEAD_DIM).unflatten(-1, (heads, HEAD_DIM))
+
+    def weights() -> tuple[torch.Tensor, torch.Tensor]:
+        return randn(HEAD_DIM), randn(HEAD_DIM)
+
+    q_txt, k_txt, v_txt, q_img, k_img, v_img = (projection(n) for n in (txt, txt, txt, img, img, img))
+    for x in (q_img, k_txt, v_img):
+        _edge_rows(x, big, small)
+    (wq_txt, wq_img), (wk_txt, wk_img) = weights(), weights()
     wide = randn(batch, tokens, 5 * heads * HEAD_DIM)  # q, k, v and an MLP part, as the single block's
-    q_joint = wide[..., : heads * HEAD_DIM].unflatten(-1, (heads, HEAD_DIM))
+    q_joint, k_joint = (t.unflatten(-1, (heads, HEAD_DIM)) for t in wide.split(heads * HEAD_DIM, -1)[:2])
     _edge_rows(q_joint, big, small)
-    noise = random_bits((batch, tokens, heads, HEAD_DIM), dtype, gen)
-    noise_weight = random_bits((HEAD_DIM,), dtype, gen)
+    _edge_rows(k_joint[:, 7:], big, small)
+    noise = [random_bits((batch, tokens, heads, HEAD_DIM), dtype, gen) for _ in range(3)]
+    noise_weights = [random_bits((HEAD_DIM,), dtype, gen) for _ in range(2)]
     finite = torch.rand(tokens, HEAD_DIM, generator=gen, device=device) * 2 - 1
     exponents = torch.randint(-60, 60, (tokens, HEAD_DIM), generator=gen, device=device)
     noisy_table = torch.ldexp(finite, exponents.float()).float()
     cases = {
-        "double block: text + image segments": ([Segment(q_txt, w_txt), Segment(q_img, w_img)], cos, sin),
-        "single block: strided chunk of a wide projection": ([Segment(q_joint, w_img)], cos, sin),
-        "random bit patterns": ([Segment(noise, noise_weight)], noisy_table, noisy_table.flip(0)),
+        "double block: text + image segments of q, k, v": (
+            [Segment(q_txt, wq_txt), Segment(q_img, wq_img)],
+            [Segment(k_txt, wk_txt), Segment(k_img, wk_img)],
+            cos,
+            sin,
+            [v_txt, v_img],
+        ),
+        "single block: strided q, k chunks of a wide projection": (
+            [Segment(q_joint, wq_img)],
+            [Segment(k_joint, wk_img)],
+            cos,
+            sin,
+            None,
+        ),
+        "random bit patterns": (
+            [Segment(noise[0], noise_weights[0])],
+            [Segment(noise[1], noise_weights[1])],
+            noisy_table,
+            noisy_table.flip(0),
+            [noise[2]],
+        ),
     }
-    for name, (rows, c, s) in cases.items():
-        if not bits_equal(launch(rows, c, s, 1e-6), reference.qk_norm_rope(rows, c, s, 1e-6)):
+    for name, (q, k, c, s, v) in cases.items():
+        got, expected = launch(q, k, c, s, 1e-6, v), reference.prologue(q, k, c, s, 1e-6, v)
+        if not all(a is b or bits_equal(a, b) for a, b in zip(got, expected, strict=True)):
             return False, f"{name}: differs from eager"
     torch.cuda.synchronize(device)
     shape = f"[{batch}, {tokens}, {heads}, {HEAD_DIM}]"
