@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import importlib.metadata
 import importlib.util
 import io
 import json
@@ -27,6 +28,7 @@ from flux2_fused.bench.report import (
     KernelReport,
     KernelRow,
     ModeResult,
+    PipelineResult,
     StepResult,
     Timing,
     VerifyRow,
@@ -63,7 +65,16 @@ def run_cli(args: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-REPORT_TYPES = [BenchReport, ModeResult, Timing, StepResult, KernelRow, KernelReport, VerifyRow]
+REPORT_TYPES = [
+    BenchReport,
+    ModeResult,
+    Timing,
+    StepResult,
+    PipelineResult,
+    KernelRow,
+    KernelReport,
+    VerifyRow,
+]
 
 
 def documented_fields(cls: type) -> set[str]:
@@ -216,7 +227,7 @@ def test_entry_point_python_m() -> None:
     assert "bit-exact: yes" in proc.stdout
 
 
-@pytest.mark.parametrize("command", ["step", "kernel"])
+@pytest.mark.parametrize("command", ["step", "pipeline", "kernel"])
 def test_benchmark_modules_run_as_their_command(command: str) -> None:
     module = f"flux2_fused.bench.{command}"
     proc = subprocess.run(
@@ -457,7 +468,15 @@ def test_default_config_follows_free_memory() -> None:
 @no_cuda
 @pytest.mark.parametrize(
     "command",
-    [["verify"], ["kernel"], ["kernel", "--shapes", "6144x4608"], ["step"], ["step", "--configs", "dev"]],
+    [
+        ["verify"],
+        ["kernel"],
+        ["kernel", "--shapes", "6144x4608"],
+        ["step"],
+        ["step", "--configs", "dev"],
+        ["step", "--host", "diffusers", "--lora", "4", "--offload", "group"],
+        ["pipeline"],
+    ],
 )
 def test_gpu_commands_refuse_without_cuda(command: list[str]) -> None:
     code, out, err = run_cli(command)
@@ -474,7 +493,7 @@ def test_kernel_help_passes_through() -> None:
     )
 
 
-@pytest.mark.parametrize("command", ["bench", "step", "kernel", "verify", "build"])
+@pytest.mark.parametrize("command", ["bench", "step", "pipeline", "kernel", "verify", "build"])
 def test_every_option_has_help(command: str) -> None:
     parser = build_parser()[1][command]
     assert parser.prog == f"flux2-fused {command}"
@@ -484,6 +503,87 @@ def test_every_option_has_help(command: str) -> None:
 def test_step_help() -> None:
     code, out, _err = run_cli(["step", "--help"])
     assert code == 0 and out.startswith("usage: flux2-fused step") and "--compile" in out
+
+
+def _without(package: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make `package` look uninstalled to the checks (its distribution and its import spec)."""
+    version, find_spec = importlib.metadata.version, importlib.util.find_spec
+
+    def missing_version(name: str) -> str:
+        if name == package:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing_version)
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == package else find_spec(name, *a)
+    )
+
+
+def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: version if name == "diffusers" else real(name)
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "environment", "message"),
+    [
+        (["step", "--lora", "4"], None, "--lora and --offload apply to --host diffusers"),
+        (["step", "--offload", "model"], None, "--lora and --offload apply to --host diffusers"),
+        (["step", "--host", "diffusers", "--lora", "0"], None, "--lora must be at least 1, got 0"),
+        (["step", "--host", "diffusers", "--compile"], None, "--compile runs the package host only"),
+        (["step", "--steps", "0"], None, "--steps must be at least 1, got 0"),
+        (["step", "--host", "diffusers"], "no diffusers", "--host diffusers: diffusers is not installed"),
+        (
+            ["step", "--host", "diffusers"],
+            "diffusers 0.50",
+            "diffusers 0.50.0 is outside the supported range",
+        ),
+        (
+            ["step", "--host", "diffusers", "--lora", "8"],
+            "no peft",
+            "--lora needs peft, which is not installed",
+        ),
+        (
+            ["step", "--host", "diffusers", "--offload", "model"],
+            "no accelerate",
+            "--offload model needs accelerate",
+        ),
+        (["pipeline", "--height", "1000"], None, "--height 1000 is not a positive multiple of 16"),
+        (["pipeline", "--pairs", "0"], None, "--pairs must be at least 1, got 0"),
+        (["pipeline", "--txt-tokens", "0"], None, "--txt-tokens must be at least 1, got 0"),
+        (["pipeline"], "no diffusers", "the pipeline benchmark: diffusers is not installed"),
+    ],
+    ids=[
+        "lora-without-diffusers-host",
+        "offload-without-diffusers-host",
+        "lora-rank",
+        "compile-diffusers",
+        "steps",
+        "no-diffusers",
+        "diffusers-too-new",
+        "no-peft",
+        "no-accelerate",
+        "pipeline-height",
+        "pipeline-pairs",
+        "pipeline-txt-tokens",
+        "pipeline-no-diffusers",
+    ],
+)
+def test_diffusers_host_arguments_are_checked_before_the_gpu(
+    args: list[str], environment: str | None, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Options that cannot go together, or that this environment cannot run, are one line and exit 2
+    on any machine, before the CUDA check and before any model is built."""
+    if environment == "diffusers 0.50":
+        _diffusers_version("0.50.0", monkeypatch)
+    elif environment is not None:
+        _without(environment.removeprefix("no "), monkeypatch)
+    code, out, err = run_cli(args)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("flux2-fused: error: ") and message in err, err
 
 
 @pytest.mark.parametrize(

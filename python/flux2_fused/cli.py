@@ -2,8 +2,12 @@
 
     flux2-fused bench [--config NAME | --weights PATH] [--height PX --width PX] [--steps N] [--batch N]
                       [--text-tokens N] [--seed N] [--dtype bf16|fp16|fp32] [--json FILE] [--plot FILE.png]
-    flux2-fused step [--configs NAME ...] [--steps N] [--compile] [--json FILE] ...
+    flux2-fused step [--configs NAME ...] [--steps N] [--compile] [--host package|diffusers] [--lora R]
+                     [--offload none|model|group] [--json FILE] ...
                                       one denoise step, eager vs fused (flux2_fused.bench.step)
+    flux2-fused pipeline [--configs NAME ...] [--pairs N] [--steps N] [--json FILE] ...
+                                      a diffusers Flux2KleinPipeline call, alone vs enable(pipe)
+                                      (flux2_fused.bench.pipeline)
     flux2-fused kernel [--shapes DxT ...] [--json FILE] ...
                                       one fused site, eager vs fused (flux2_fused.bench.kernel)
     flux2-fused verify                the kernel's bit-exactness self-check on this GPU
@@ -31,7 +35,7 @@ from pathlib import Path
 import torch
 
 from . import commands
-from .bench import denoise, kernel, step
+from .bench import denoise, kernel, pipeline, step
 
 PROG = "flux2-fused"
 
@@ -60,7 +64,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _step(args: argparse.Namespace) -> int:
-    return commands.gpu_benchmark_command("the step benchmark", step.run, args)
+    return commands.gpu_benchmark_command("the step benchmark", step.run, args, step.check)
+
+
+def _pipeline(args: argparse.Namespace) -> int:
+    return commands.gpu_benchmark_command("the pipeline benchmark", pipeline.run, args, pipeline.check)
 
 
 def _kernel(args: argparse.Namespace) -> int:
@@ -96,7 +104,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         default=argparse.SUPPRESS,
         help="show tracebacks instead of one-line errors",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,step,kernel,verify,build}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{bench,step,pipeline,kernel,verify,build}"
+    )
     subparsers: dict[str, argparse.ArgumentParser] = {}
 
     def add(name: str, handler: Handler, help_text: str, **kwargs: object) -> argparse.ArgumentParser:
@@ -143,6 +153,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
             _step,
             "one denoise step at 1024x1024, eager vs fused, synchronized and pipelined (CUDA GPU)",
             epilog="The --json fields are documented in flux2_fused.bench.report.StepResult.",
+        )
+    )
+    pipeline.add_arguments(
+        add(
+            "pipeline",
+            _pipeline,
+            "a diffusers Flux2KleinPipeline call (CFG, VAE decode), alone vs enable(pipe), images compared "
+            "(CUDA GPU)",
+            epilog="The --json fields are documented in flux2_fused.bench.report.PipelineResult.",
         )
     )
     kernel.add_arguments(

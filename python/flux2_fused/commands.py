@@ -1,7 +1,7 @@
 """What the `flux2-fused` commands do, once `flux2_fused.cli` has parsed their arguments.
 
-`bench` plans, runs, prints and writes the denoise benchmark; `step` and `kernel` run their
-benchmarks on a CUDA GPU; `verify` runs every op's bit-exactness self-check for the configurations
+`bench` plans, runs, prints and writes the denoise benchmark; `step`, `pipeline` and `kernel` run
+their benchmarks on a CUDA GPU; `verify` runs every op's bit-exactness self-check for the configurations
 the op lists (`ops.OPS`); `build` compiles every op's kernel without a GPU. They sit here, outside
 `bench`, so that the benchmarks and the plot never import each other and the command line only
 parses.
@@ -73,9 +73,16 @@ def bench_command(
 
 
 def gpu_benchmark_command(
-    what: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace
+    what: str,
+    run: Callable[[argparse.Namespace], int],
+    args: argparse.Namespace,
+    check: Callable[[argparse.Namespace], None] | None = None,
 ) -> int:
-    """`flux2-fused step` and `kernel`: refuse without a CUDA GPU, else run the benchmark."""
+    """`flux2-fused step`, `pipeline` and `kernel`: refuse bad arguments (`check`, which raises
+    BadValue), then refuse without a CUDA GPU, else run the benchmark. Arguments first, so a wrong
+    option is reported as such on any machine."""
+    if check is not None:
+        check(args)
     require_cuda(what)
     return run(args)
 

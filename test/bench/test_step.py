@@ -14,10 +14,12 @@ from flux2_fused.bench.report import (
     Breakdown,
     KernelReport,
     KernelRow,
+    PipelineResult,
     StepResult,
     Timing,
     VerifyRow,
     format_kernel_table,
+    format_pipeline_table,
     format_step_table,
     format_verify,
 )
@@ -142,17 +144,31 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     step = StepResult(
         "klein-4b", 1, 2, 4096, 512, timing, timing, 1256, 1052, 41, eager, fused, "a" * 64, "a" * 64, True
     )
-    table = format_step_table([step], "NVIDIA H200", "2.11.0")
+    on_diffusers = dataclasses.replace(step, host="diffusers", lora_rank=16, offload="model")
+    table = format_step_table([step, on_diffusers], "NVIDIA H200", "2.11.0")
     timings, breakdown = table.split("\n\n")
+    assert "eager = diffusers' own forward, fused = enable(model)" in timings
+    assert _table_widths(timings) == {15}
+    assert "| klein-4b | package | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% |" in timings
+    assert "| klein-4b | diffusers (LoRA r16, model offload) | 1 | 4096+512 | synchronized |" in timings
+    assert _table_widths(breakdown) == {10}
     assert (
-        _table_widths(timings) == {14}
-        and "| klein-4b | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% |" in timings
+        "| klein-4b | package | eager | 1256 | 6.50 (500) | 2.25 (50) | 0.00 (0) | 1.75 (706) | 10.50 |"
+        in breakdown
     )
-    assert _table_widths(breakdown) == {9}
-    assert "| klein-4b | eager | 1256 | 6.50 (500) | 2.25 (50) | 0.00 (0) | 1.75 (706) | 10.50 |" in breakdown
     assert (
-        "| klein-4b | fused | 1052 | 6.50 (500) | 2.25 (50) | 0.50 (41) | 0.75 (461) | 10.00 |" in breakdown
+        "| klein-4b | package | fused | 1052 | 6.50 (500) | 2.25 (50) | 0.50 (41) | 0.75 (461) | 10.00 |"
+        in breakdown
     )
+    assert "| klein-4b | diffusers (LoRA r16, model offload) | fused | 1052 |" in breakdown
+    assert "diffusers' own forward" not in format_step_table([step], "NVIDIA H200", "2.11.0")
+    calls = PipelineResult(
+        "klein-4b", 1024, 1024, 8, 4.0, 512, 2, "0.42.1", timing, "b" * 64, "c" * 64, False
+    )
+    table = format_pipeline_table([calls], "NVIDIA H200", "2.11.0")
+    assert "diffusers 0.42.1" in table and _table_widths(table) == {12}
+    assert "| klein-4b | 1024x1024 | 8 | 4.0 | 11.0 | 10.0 | +10.0% | +1.0 +- 0.0 | 2/2 | NO |" in table
+    assert "| bbbbbbbbbbbb / cccccccccccc |" in table
     row = KernelRow(
         "gated_resnorm", 3072, 4096, 1, 184.0, 135.1, None, 80.0, 28.3, 23.8, 84.1, 2.3, 4.77, True
     )

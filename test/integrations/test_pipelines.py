@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flux2_fused.bench.hosts import diffusers_model
 from flux2_fused.integrations import diffusers as integration
 from flux2_fused.integrations.diffusers import enable
 from flux2_fused.models.flux2 import Flux2Transformer
 
-from ..models.test_flux2 import TINY, diffusers_model
+from ..models.test_flux2 import TINY
 
 pipelines = pytest.importorskip("diffusers")
 attention_backend = pytest.importorskip("diffusers.models.attention_dispatch").attention_backend
@@ -88,3 +89,20 @@ def test_klein_kv_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     pipe = _pipeline(pipelines.Flux2KleinKVPipeline)
     pixels = torch.randint(0, 256, (64, 64, 3), generator=torch.Generator().manual_seed(6), dtype=torch.uint8)
     assert _compare(pipe, monkeypatch, image=[Image.fromarray(pixels.numpy())]) == 2 * TINY.num_layers
+
+
+def test_klein_inpaint_pipeline_with_cfg(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inpainting: the image's latents noised to the first timestep, the masked area denoised and the
+    rest put back from the image after every step; CFG with negative embeddings."""
+    from PIL import Image
+
+    pipe = _pipeline(pipelines.Flux2KleinInpaintPipeline)
+    gen = torch.Generator().manual_seed(7)
+    pixels = torch.randint(0, 256, (64, 64, 3), generator=gen, dtype=torch.uint8)
+    mask = (torch.rand(64, 64, generator=gen) > 0.5).to(torch.uint8) * 255
+    negative = torch.zeros(1, 12, TINY.joint_attention_dim)
+    kwargs = {"image": Image.fromarray(pixels.numpy()), "mask_image": Image.fromarray(mask.numpy())}
+    calls = _compare(
+        pipe, monkeypatch, **kwargs, strength=1.0, negative_prompt_embeds=negative, guidance_scale=4.0
+    )
+    assert calls == 2 * 2 * TINY.num_layers  # two steps, each with the prompt and the negative prompt

@@ -7,10 +7,11 @@ import functools
 import pytest
 import torch
 
+from flux2_fused.bench.hosts import diffusers_model
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 from flux2_fused.ops import gated_resnorm
 
-from .test_flux2 import TINY, diffusers_model, image_ids, text_ids
+from .test_flux2 import TINY, image_ids, text_ids
 
 pytestmark = pytest.mark.gpu
 attention_backend = pytest.importorskip("diffusers.models.attention_dispatch").attention_backend

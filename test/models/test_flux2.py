@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from flux2_fused.bench.hosts import diffusers_model
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from flux2_fused.models.weights import INDEX_NAME, WEIGHTS_NAME, WeightsError
 
@@ -31,15 +32,6 @@ def make_inputs(config: Flux2Config, batch: int, dtype: torch.dtype, guidance: b
         "txt_ids": text_ids(N_TXT),
         "guidance": 1 + 4 * torch.rand(batch, generator=gen) if guidance else None,
     }
-
-
-def diffusers_model(ours: Flux2Transformer) -> torch.nn.Module:
-    """diffusers' model sharing `ours`'s weight storage (built on meta, loaded strictly with assign), so
-    even the 64 GB dev model fits on the GPU twice over."""
-    with torch.device("meta"):
-        reference = diffusers_flux2.Flux2Transformer2DModel(**ours.config.to_diffusers())
-    reference.load_state_dict(ours.state_dict(), strict=True, assign=True)
-    return reference
 
 
 def run_both(ours: Flux2Transformer, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -286,6 +286,12 @@ class StepResult:
     - fused_sha256: SHA-256 of the fused step's output
     - bit_exact: the two outputs are torch.equal
     - compiled: both modes ran under torch.compile(model)
+    - host: the model timed: "package" (the package's Flux2Transformer, eager = `fused = False`) or
+      "diffusers" (diffusers' Flux2Transformer2DModel with the same weights, eager = diffusers' own
+      forward, fused = `enable(model)`)
+    - lora_rank: rank of the peft LoRA on the diffusers host's attention and MLP linears, null for none
+    - offload: the diffusers host's CPU offload: "none", "model" (accelerate's hook, as
+      enable_model_cpu_offload) or "group" (block-level group offloading on a side stream)
     """
 
     config: str
@@ -304,6 +310,17 @@ class StepResult:
     fused_sha256: str
     bit_exact: bool
     compiled: bool = False
+    host: str = "package"
+    lora_rank: int | None = None
+    offload: str = "none"
+
+    @property
+    def host_label(self) -> str:
+        """The host and its setup in words, as the tables name a row's model."""
+        setup = ([f"LoRA r{self.lora_rank}"] if self.lora_rank is not None else []) + (
+            [f"{self.offload} offload"] if self.offload != "none" else []
+        )
+        return f"{self.host} ({', '.join(setup)})" if setup else self.host
 
 
 _CLASS_LABELS = {"gemm": "GEMM", "attention": "attention", "fused": "fused", "other": "other"}
@@ -316,8 +333,11 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
     title = f"GPU: {device}  torch {torch_version}  bf16, random weights" + (
         compiled if results and results[0].compiled else ""
     )
+    if any(r.host == "diffusers" for r in results):
+        title += "\n(host diffusers: eager = diffusers' own forward, fused = enable(model))"
     headers = [
         "config",
+        "host",
         "B",
         "tokens (img+txt)",
         "timing",
@@ -338,6 +358,7 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
             rows.append(
                 [
                     r.config,
+                    r.host_label,
                     r.batch,
                     f"{r.img_tokens}+{r.txt_tokens}",
                     label,
@@ -358,15 +379,93 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
 def format_breakdown_table(results: Sequence[StepResult]) -> str:
     """Where each mode's step spends its kernel time: GEMM and attention, which the fused path leaves
     alone, against the fused kernels and the other eager kernels they replace."""
-    headers = ["config", "mode", "kernels"]
+    headers = ["config", "host", "mode", "kernels"]
     headers += [f"{_CLASS_LABELS[c]} ms (launches)" for c in KERNEL_CLASSES] + ["total kernel ms"]
     rows = []
     for r in results:
         for mode, b in (("eager", r.eager_profile), ("fused", r.fused_profile)):
             cells = [f"{b.kernel_ms[c]:.2f} ({b.launches[c]})" for c in KERNEL_CLASSES]
-            rows.append([r.config, mode, b.total_launches, *cells, f"{b.total_ms:.2f}"])
+            rows.append([r.config, r.host_label, mode, b.total_launches, *cells, f"{b.total_ms:.2f}"])
     note = "(kernel time of one profiled step by kernel class, torch.profiler; the total is their sum)"
     return f"{markdown_table(headers, rows)}\n{note}"
+
+
+# --------------------------------------------------------------------------- flux2-fused pipeline
+
+
+@dataclass
+class PipelineResult:
+    """One config of `flux2-fused pipeline` (its JSON is a list of these); times in ms a pipeline call.
+
+    - config: transformer preset (a Klein one: the pipeline is Flux2KleinPipeline)
+    - height: image height in pixels
+    - width: image width in pixels
+    - steps: denoise steps a call
+    - guidance_scale: the CFG scale; above 1 each step calls the transformer twice (prompt, negative)
+    - txt_tokens: tokens of the prompt embeddings, and of the negative ones
+    - pairs: timed pairs of calls
+    - diffusers: diffusers version
+    - timing: Timing of whole calls, each from an idle GPU and waited for (eager: the pipeline alone;
+      fused: after enable(pipe))
+    - diffusers_sha256: SHA-256 of the pipeline's image alone (output_type "pt", after VAE decode)
+    - fused_sha256: SHA-256 of the image with enable(pipe)
+    - images_equal: the two images are torch.equal
+    """
+
+    config: str
+    height: int
+    width: int
+    steps: int
+    guidance_scale: float
+    txt_tokens: int
+    pairs: int
+    diffusers: str
+    timing: Timing
+    diffusers_sha256: str
+    fused_sha256: str
+    images_equal: bool
+
+
+def format_pipeline_table(results: Sequence[PipelineResult], device: str, torch_version: str) -> str:
+    """The pipeline benchmark's table, one row a config."""
+    headers = [
+        "config",
+        "image",
+        "steps",
+        "CFG",
+        "diffusers ms/call",
+        "enable() ms/call",
+        "speedup",
+        "paired gain ms (95% CI)",
+        "fused won",
+        "images equal",
+        "SHA-256 (both)",
+    ]
+    rows = []
+    for r in results:
+        t = r.timing
+        sha = r.fused_sha256[:16] if r.images_equal else f"{r.diffusers_sha256[:12]} / {r.fused_sha256[:12]}"
+        rows.append(
+            [
+                r.config,
+                f"{r.height}x{r.width}",
+                r.steps,
+                r.guidance_scale,
+                f"{t.eager_ms:.1f}",
+                f"{t.fused_ms:.1f}",
+                speedup_text(t.speedup_pct),
+                f"{t.paired_diff_ms:+.1f} +- {t.paired_ci95_ms:.1f}",
+                f"{t.fused_won}/{r.pairs}",
+                _yes(r.images_equal),
+                sha,
+            ]
+        )
+    diffusers = results[0].diffusers if results else "?"
+    title = (
+        f"GPU: {device}  torch {torch_version}  diffusers {diffusers}  bf16, random weights; "
+        "Flux2KleinPipeline call: text embeddings given, denoise loop, VAE decode"
+    )
+    return f"{title}\n{markdown_table(headers, rows)}"
 
 
 # --------------------------------------------------------------------------- flux2-fused kernel

@@ -1,10 +1,16 @@
 """Whole-transformer benchmark: one denoise step (one forward) at 1024x1024, eager vs fused.
 
     flux2-fused step [--configs dev klein-4b] [--steps N] [--compile] [--json FILE]
+                     [--host package|diffusers] [--lora R] [--offload none|model|group]
     (also python -m flux2_fused.bench.step)
 
 Random weights built on the GPU; the same model runs with `fused = False` and `fused = True` on the
 same inputs, interleaved step by step, after a warm-up step of each (the fused one self-checks).
+With --host diffusers the model is diffusers' Flux2Transformer2DModel holding the same random
+weights (`bench.hosts`), eager is diffusers' own forward and fused is `enable(model)`, switched step
+by step; --lora R adds a peft LoRA of rank R, --offload puts its weights on the CPU between uses
+(model: accelerate's hook, as `enable_model_cpu_offload`; group: diffusers' block-level group
+offloading on a side stream).
 Two timings, each of N pairs (CUDA events):
 - synchronized: every step starts on an idle GPU and is waited for, so it includes the time the
   GPU spends waiting for the host to launch the step's first kernels;
@@ -41,7 +47,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ..errors import BadValue
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
+from . import hosts
 from .report import (
     KERNEL_CLASSES,
     Breakdown,
@@ -146,17 +154,49 @@ def time_pipelined(run: Callable[[bool], object], pairs: int) -> dict[bool, list
     return times
 
 
-def bench_config(
-    name: str, steps: int, batch: int, img_tokens: int, txt_tokens: int, compiled: bool = False
-) -> StepResult:
-    config = Flux2Config.preset(name)
+def _package_run(config: Flux2Config, inputs: dict, compiled: bool) -> Callable[[bool], torch.Tensor]:
+    """One step of the package's model in either mode (`model.fused`), compiled or not."""
     model = Flux2Transformer.random(config, seed=0, device="cuda", dtype=torch.bfloat16)
-    inputs = step_inputs(config, batch, img_tokens, txt_tokens, torch.bfloat16)
     forward = torch.compile(model) if compiled else model
 
     def run(fused: bool) -> torch.Tensor:
         model.fused = fused
         return forward(**inputs)
+
+    return run
+
+
+def _diffusers_run(
+    config: Flux2Config, inputs: dict, lora_rank: int | None, offload: str
+) -> Callable[[bool], torch.Tensor]:
+    """One step of diffusers' model with the same random weights: its own forward, or enable()'s."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = hosts.diffusers_host(config, device, torch.bfloat16, lora_rank, offload)
+
+    def run(fused: bool) -> torch.Tensor:
+        hosts.use_fused(model, fused)
+        return model(**inputs, return_dict=False)[0]
+
+    return run
+
+
+def bench_config(
+    name: str,
+    steps: int,
+    batch: int,
+    img_tokens: int,
+    txt_tokens: int,
+    compiled: bool = False,
+    host: str = "package",
+    lora_rank: int | None = None,
+    offload: str = "none",
+) -> StepResult:
+    config = Flux2Config.preset(name)
+    inputs = step_inputs(config, batch, img_tokens, txt_tokens, torch.bfloat16)
+    if host == "diffusers":
+        run = _diffusers_run(config, inputs, lora_rank, offload)
+    else:
+        run = _package_run(config, inputs, compiled)
 
     with torch.inference_mode():
         outputs = {mode: run(mode) for mode in (False, True)}  # warm-up; the fused one self-checks
@@ -181,6 +221,9 @@ def bench_config(
         fused_sha256=tensor_sha256(outputs[True]),
         bit_exact=torch.equal(outputs[False], outputs[True]),
         compiled=compiled,
+        host=host,
+        lora_rank=lora_rank,
+        offload=offload,
     )
 
 
@@ -201,18 +244,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--txt-tokens", type=int, default=512, metavar="N", help="text tokens (default 512)")
     parser.add_argument("--compile", action="store_true", help="both modes under torch.compile(model)")
+    parser.add_argument(
+        "--host",
+        choices=hosts.HOSTS,
+        default="package",
+        help="the package's model, or diffusers' Flux2Transformer2DModel with the same weights, eager "
+        "being diffusers' own forward and fused enable(model) (default: package)",
+    )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        metavar="R",
+        help="--host diffusers: a peft LoRA of rank R on the attention and MLP linears",
+    )
+    parser.add_argument(
+        "--offload",
+        choices=hosts.OFFLOADS,
+        default="none",
+        help="--host diffusers: weights on the CPU between uses; model: accelerate's hook as "
+        "enable_model_cpu_offload, group: block-level group offloading with a side stream (default: none)",
+    )
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the results to FILE")
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse, before any work, options that do not go together or that this environment cannot run
+    (BadValue: one line, exit status 2)."""
+    check_output("--json", args.json)
+    if args.steps is not None and args.steps < 1:
+        raise BadValue(f"--steps must be at least 1, got {args.steps}")
+    if args.lora is not None and args.lora < 1:
+        raise BadValue(f"--lora must be at least 1, got {args.lora}")
+    if args.host == "package":
+        if args.lora is not None or args.offload != "none":
+            raise BadValue("--lora and --offload apply to --host diffusers")
+        return
+    if args.compile:
+        raise BadValue("--compile runs the package host only")
+    hosts.check_diffusers_host("--host diffusers", args.lora, args.offload)
 
 
 def run(args: argparse.Namespace) -> int:
     """Benchmark every config on the current CUDA GPU and print the table; 1 when a fused step's
     output differs from eager's (not checked under --compile, where neither mode is bit-exact)."""
-    check_output("--json", args.json)
     results = []
     steps = args.steps or (100 if args.compile else 7)
     for name in args.configs:
         results.append(
-            bench_config(name, steps, args.batch, args.img_tokens, args.txt_tokens, compiled=args.compile)
+            bench_config(
+                name,
+                steps,
+                args.batch,
+                args.img_tokens,
+                args.txt_tokens,
+                compiled=args.compile,
+                host=args.host,
+                lora_rank=args.lora,
+                offload=args.offload,
+            )
         )
         gc.collect()  # drop the previous model (dev is 64 GB) before building the next
         torch.cuda.empty_cache()

@@ -1,0 +1,167 @@
+"""The diffusers host of the benchmarks: diffusers' FLUX.2 transformer holding the package's random
+weights, in the setups diffusers users run it (a peft LoRA, CPU offload), switched between diffusers'
+own forward and `enable()`, and a Klein pipeline of random components around it.
+
+The tests build their diffusers models here too, so a benchmark times the setup the tests check.
+diffusers, peft and accelerate are optional: each is imported where it is used, and
+`check_diffusers_host` says before any work which one a request lacks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import BadValue
+from ..models.flux2 import Flux2Config, Flux2Transformer
+
+HOSTS = ("package", "diffusers")
+OFFLOADS = ("none", "model", "group")
+# The Linears a FLUX.2 LoRA adapts, by the ends of their names: both blocks' attention projections (the
+# double block's `to_out.0`, the single block's `to_out`), the single block's fused QKV + MLP input,
+# the feed-forwards. Matched against Linears only: in the double block `to_out` is a ModuleList, which
+# peft refuses to adapt.
+LORA_TARGETS = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "to_qkv_mlp_proj",
+    "to_out",
+    "linear_in",
+    "linear_out",
+)
+
+
+def check_diffusers_host(what: str, lora_rank: int | None = None, offload: str = "none") -> None:
+    """BadValue (exit status 2) naming what this environment lacks for the diffusers host with these
+    options, so a run fails in one line before it builds a model; `what` names the request."""
+    from ..integrations.diffusers import _check_version
+
+    try:
+        _check_version()
+    except RuntimeError as err:
+        raise BadValue(f"{what}: {str(err).removeprefix('flux2-fused: ')}") from err
+    needs = {"--lora": ("peft", lora_rank is not None), "--offload model": ("accelerate", offload == "model")}
+    for option, (package, needed) in needs.items():
+        if needed and importlib.util.find_spec(package) is None:
+            raise BadValue(f"{option} needs {package}, which is not installed (pip install {package})")
+
+
+def diffusers_model(ours: Flux2Transformer) -> nn.Module:
+    """diffusers' Flux2Transformer2DModel sharing `ours`'s weight storage (built on meta, loaded strictly
+    with assign): no second copy, so both hosts compute with the same weights and even the 64 GB dev
+    model fits twice over on a GPU that holds it once."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
+
+    with torch.device("meta"):
+        model = Flux2Transformer2DModel(**ours.config.to_diffusers())
+    model.load_state_dict(ours.state_dict(), strict=True, assign=True)
+    return model
+
+
+def add_lora(model: nn.Module, rank: int, name: str = "default", seed: int = 0) -> None:
+    """A peft LoRA adapter of rank `rank` (alpha = rank) on every Linear LORA_TARGETS names, A and B
+    both random (peft's default init leaves B zero: an adapter that changes nothing), reproducible
+    from `seed` without touching the caller's random state."""
+    import peft
+
+    targets = [
+        path
+        for path, module in model.named_modules()
+        if isinstance(module, nn.Linear) and any(path == t or path.endswith(f".{t}") for t in LORA_TARGETS)
+    ]
+    config = peft.LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=targets)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.add_adapter(config, adapter_name=name)
+
+
+def offload(model: nn.Module, kind: str, device: torch.device) -> None:
+    """Put the model's weights on the CPU between uses, as diffusers users do (`kind` from OFFLOADS):
+    - model: accelerate's `cpu_offload_with_hook`, the hook diffusers' `enable_model_cpu_offload`
+      puts on each model of a pipeline. The model moves to `device` at its first call and stays
+      there until a pipeline's next model runs, so the steps of a denoise loop pay only the hook's
+      per-call work (moving the arguments, checking every parameter's device);
+    - group: diffusers' group offloading, one block a group: each block's weights are copied to
+      `device` just before it runs (on a side stream on CUDA, overlapping the previous block) and
+      dropped after, every step."""
+    if kind == "none":
+        return
+    if kind not in OFFLOADS:
+        raise ValueError(f"unknown offload {kind!r}; choose one of {', '.join(OFFLOADS)}")
+    model.to("cpu")
+    if kind == "model":
+        from accelerate import cpu_offload_with_hook
+
+        cpu_offload_with_hook(model, device)
+    else:
+        model.enable_group_offload(
+            onload_device=device,
+            offload_device=torch.device("cpu"),
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            use_stream=device.type == "cuda",  # streams exist only on CUDA
+        )
+
+
+def diffusers_host(
+    config: Flux2Config,
+    device: torch.device,
+    dtype: torch.dtype,
+    lora_rank: int | None = None,
+    offload_kind: str = "none",
+    seed: int = 0,
+) -> nn.Module:
+    """The diffusers host of the step benchmark: diffusers' model with the package's random weights
+    (`Flux2Transformer.random(config, seed)`), in eval mode as `from_pretrained` returns it, with a
+    LoRA of `lora_rank` and then the offload, the order of a user who loads a pipeline and its adapter,
+    then turns offloading on (and then `enable()`)."""
+    model = diffusers_model(Flux2Transformer.random(config, seed=seed, device=device, dtype=dtype)).eval()
+    if lora_rank is not None:
+        add_lora(model, lora_rank)
+    offload(model, offload_kind, device)
+    return model
+
+
+def use_fused(target: Any, fused: bool) -> None:
+    """Switch a diffusers transformer (or a pipeline's) between `enable()` (True) and diffusers' own
+    forward (False). Both are cheap, so a benchmark alternates them call by call on one model."""
+    from ..integrations.diffusers import enable
+
+    handle = enable(target)  # the live handle, the same one when already enabled
+    if not fused:
+        handle.disable()
+
+
+def klein_pipeline(cls: type, transformer: nn.Module, seed: int = 0) -> Any:
+    """A Flux2KleinPipeline (or a pipeline class with its components, e.g. Flux2KleinInpaintPipeline)
+    around `transformer`: diffusers' AutoencoderKLFlux2 at its default config with random weights on
+    the transformer's device and dtype, diffusers' default FlowMatchEulerDiscreteScheduler, and no text
+    encoder, so callers pass prompt embeddings. The progress bar is off (it would interleave with the
+    reports)."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
+
+    weight = next(transformer.parameters())
+    with (
+        torch.random.fork_rng(devices=[weight.device] if weight.is_cuda else []),
+        torch.device(weight.device),
+    ):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLFlux2().to(weight.dtype)
+    pipe = cls(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=transformer,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
