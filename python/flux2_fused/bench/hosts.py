@@ -73,11 +73,11 @@ def add_lora(model: nn.Module, rank: int, name: str = "default", seed: int = 0) 
     from `seed` without touching the caller's random state."""
     import peft
 
-    targets = [
-        path
-        for path, module in model.named_modules()
-        if isinstance(module, nn.Linear) and any(path == t or path.endswith(f".{t}") for t in LORA_TARGETS)
-    ]
+    # A Linear that already has an adapter is peft's wrapper, with the Linear as its `base_layer`.
+    names = (
+        path.removesuffix(".base_layer") for path, m in model.named_modules() if isinstance(m, nn.Linear)
+    )
+    targets = sorted({p for p in names if any(p == t or p.endswith(f".{t}") for t in LORA_TARGETS)})
     config = peft.LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=targets)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
