@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One GPU-machine session: install the carried wheels, then run the named steps, logging to $OUT.
 #   scripts/gpu-session.sh [ops-tests] [model-tests] [verify] [kernel-bench] [step-bench]
+#                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
 #                          [baseline-kernel-bench] [baseline-step-bench] [pytest:ARGS]
+# diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
+# --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
+# pipeline-bench: a Flux2KleinPipeline call (klein-4b, 1024 px, 8 steps, CFG, VAE decode) alone vs enable().
 # Run from the repository root. .whl/ holds cp312 wheels of what the GPU image lacks (apache-tvm-ffi,
 # diffusers), downloaded with `pip download --only-binary=:all: --python-version 3.12 ...`.
 # The baseline-* steps run the same benchmark from .baseline/python (an earlier tree, e.g.
@@ -13,6 +17,8 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, tvm_ffi; print('torch', torch.__version__, 'tvm_ffi', tvm_ffi.__version__, 'gpus', torch.cuda.device_count())"
+# One step benchmark run: a name for its log and JSON, then its options.
+step_bench() { local name=$1; shift; python3 -m flux2_fused.bench.step --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"; }
 baseline() { PYTHONPATH=/tmp/site:$PWD/.baseline/python FLUX2_FUSED_CACHE_DIR=/tmp/flux2-cache-baseline "$@"; }
 rc=0
 for step in "$@"; do
@@ -23,6 +29,16 @@ for step in "$@"; do
     verify) python3 -m flux2_fused verify 2>&1 | tee "$OUT/verify.log" | tail -20 || rc=1 ;;
     kernel-bench) python3 -m flux2_fused.bench.kernel --json "$OUT/kernel.json" ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/kernel-bench.log" || rc=1 ;;
     step-bench) python3 -m flux2_fused.bench.step --json "$OUT/step.json" ${STEP_BENCH_ARGS:-} 2>&1 | tee "$OUT/step-bench.log" || rc=1 ;;
+    diffusers-step-bench)
+      step_bench step-klein-package --configs klein-4b || rc=1
+      step_bench step-klein-diffusers --configs klein-4b --host diffusers || rc=1
+      step_bench step-klein-diffusers-lora16 --configs klein-4b --host diffusers --lora 16 || rc=1
+      step_bench step-klein-diffusers-offload-model --configs klein-4b --host diffusers --offload model || rc=1
+      step_bench step-klein-diffusers-offload-group --configs klein-4b --host diffusers --offload group || rc=1 ;;
+    diffusers-step-bench-dev)
+      step_bench step-dev-package --configs dev || rc=1
+      step_bench step-dev-diffusers --configs dev --host diffusers || rc=1 ;;
+    pipeline-bench) python3 -m flux2_fused.bench.pipeline --json "$OUT/pipeline.json" ${PIPELINE_BENCH_ARGS:-} 2>&1 | tee "$OUT/pipeline-bench.log" || rc=1 ;;
     baseline-kernel-bench) baseline python3 -m flux2_fused.bench.kernel ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/baseline-kernel-bench.log" || rc=1 ;;
     baseline-step-bench) baseline python3 -m flux2_fused.bench.step ${STEP_BENCH_ARGS:-} 2>&1 | tee "$OUT/baseline-step-bench.log" || rc=1 ;;
     pytest:*) python3 -m pytest -q ${step#pytest:} 2>&1 | tee -a "$OUT/pytest.log" | tail -15 || rc=1 ;;
