@@ -133,11 +133,15 @@ def diffusers_host(
 
 def use_fused(target: Any, fused: bool) -> None:
     """Switch a diffusers transformer (or a pipeline's) between `enable()` (True) and diffusers' own
-    forward (False). Both are cheap, so a benchmark alternates them call by call on one model."""
+    forward (False), so a benchmark alternates them call by call on one model. Does nothing when it
+    is already in that mode: `enable()` looks up the installed diffusers version on every call (about
+    a millisecond of host time), which must not be timed as part of a step."""
     from ..integrations.diffusers import enable
 
-    handle = enable(target)  # the live handle, the same one when already enabled
-    if not fused:
+    handle = getattr(getattr(target, "transformer", target), "_flux2_fused_handle", None)
+    if fused and handle is None:
+        enable(target)
+    elif not fused and handle is not None:
         handle.disable()
 
 

@@ -21,6 +21,7 @@ of the warm-up calls are compared with torch.equal.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.metadata
 import sys
@@ -82,13 +83,15 @@ def bench_config(
     pipe = hosts.klein_pipeline(Flux2KleinPipeline, transformer)
     call = klein_call(pipe, config, height, width, steps, guidance_scale, txt_tokens)
 
+    switch = functools.partial(hosts.use_fused, pipe)
+
     def run(fused: bool) -> torch.Tensor:
-        hosts.use_fused(pipe, fused)
+        switch(fused)
         return call()
 
     with torch.inference_mode():
         images = {mode: run(mode) for mode in (False, True)}  # warm-up; the fused one self-checks
-        timing = Timing.of(time_synchronized(run, pairs))
+        timing = Timing.of(time_synchronized(run, pairs, switch))
     return PipelineResult(
         config=name,
         height=height,

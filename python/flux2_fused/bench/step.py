@@ -127,11 +127,17 @@ def _pair_order(pairs: int) -> list[bool]:
     return [mode for i in range(pairs) for mode in ((False, True) if i % 2 == 0 else (True, False))]
 
 
-def time_synchronized(run: Callable[[bool], object], pairs: int) -> dict[bool, list[float]]:
+def time_synchronized(
+    run: Callable[[bool], object], pairs: int, switch: Callable[[bool], object] | None = None
+) -> dict[bool, list[float]]:
     """Each step alone from an idle GPU (synchronized after every step): includes the time the GPU
-    waits for the host to launch the step's first kernels."""
+    waits for the host to launch the step's first kernels. `switch(mode)`, where given, sets the mode
+    before the step's timing starts (the diffusers host's enable() or disable(), host work that is
+    not the step's), so `run` finds the mode already set."""
     times: dict[bool, list[float]] = {False: [], True: []}
     for mode in _pair_order(pairs):
+        if switch is not None:
+            switch(mode)
         times[mode].append(event_ms(functools.partial(run, mode))[1])
     return times
 
@@ -155,7 +161,7 @@ def time_pipelined(run: Callable[[bool], object], pairs: int) -> dict[bool, list
 
 
 def _package_run(config: Flux2Config, inputs: dict, compiled: bool) -> Callable[[bool], torch.Tensor]:
-    """One step of the package's model in either mode (`model.fused`), compiled or not."""
+    """One step of the package's model in either mode (`model.fused`, free to set), compiled or not."""
     model = Flux2Transformer.random(config, seed=0, device="cuda", dtype=torch.bfloat16)
     forward = torch.compile(model) if compiled else model
 
@@ -168,16 +174,18 @@ def _package_run(config: Flux2Config, inputs: dict, compiled: bool) -> Callable[
 
 def _diffusers_run(
     config: Flux2Config, inputs: dict, lora_rank: int | None, offload: str
-) -> Callable[[bool], torch.Tensor]:
-    """One step of diffusers' model with the same random weights: its own forward, or enable()'s."""
+) -> tuple[Callable[[bool], torch.Tensor], Callable[[bool], None]]:
+    """One step of diffusers' model with the same random weights, its own forward or enable()'s, and
+    the switch between the two (for time_synchronized to call outside the timing)."""
     device = torch.device("cuda", torch.cuda.current_device())
     model = hosts.diffusers_host(config, device, torch.bfloat16, lora_rank, offload)
+    switch = functools.partial(hosts.use_fused, model)
 
     def run(fused: bool) -> torch.Tensor:
-        hosts.use_fused(model, fused)
+        switch(fused)
         return model(**inputs, return_dict=False)[0]
 
-    return run
+    return run, switch
 
 
 def bench_config(
@@ -193,14 +201,15 @@ def bench_config(
 ) -> StepResult:
     config = Flux2Config.preset(name)
     inputs = step_inputs(config, batch, img_tokens, txt_tokens, torch.bfloat16)
+    switch = None
     if host == "diffusers":
-        run = _diffusers_run(config, inputs, lora_rank, offload)
+        run, switch = _diffusers_run(config, inputs, lora_rank, offload)
     else:
         run = _package_run(config, inputs, compiled)
 
     with torch.inference_mode():
         outputs = {mode: run(mode) for mode in (False, True)}  # warm-up; the fused one self-checks
-        synchronized = Timing.of(time_synchronized(run, steps))
+        synchronized = Timing.of(time_synchronized(run, steps, switch))
         pipelined = Timing.of(time_pipelined(run, steps))
         eager_profile = kernel_breakdown(lambda: run(False))
         fused_profile = kernel_breakdown(lambda: run(True))
