@@ -2,10 +2,12 @@
 # One GPU-machine session: install the carried wheels, then run the named steps, logging to $OUT.
 #   scripts/gpu-session.sh [ops-tests] [model-tests] [verify] [kernel-bench] [step-bench]
 #                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
-#                          [baseline-kernel-bench] [baseline-step-bench] [pytest:ARGS]
+#                          [baseline-kernel-bench] [baseline-step-bench] [parallel-bench] [pytest:ARGS]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
 # pipeline-bench: a Flux2KleinPipeline call (klein-4b, 1024 px, 8 steps, CFG, VAE decode) alone vs enable().
+# parallel-bench (2+ GPUs): `bench --parallel` for each plan in PARALLEL_PLANS (default: ulysses=2 ring=2
+# tp=2) on PARALLEL_CONFIGS (default: klein-4b dev), one JSON each.
 # Run from the repository root. .whl/ holds cp312 wheels of what the GPU image lacks (apache-tvm-ffi,
 # diffusers), downloaded with `pip download --only-binary=:all: --python-version 3.12 ...`.
 # The baseline-* steps run the same benchmark from .baseline/python (an earlier tree, e.g.
@@ -41,6 +43,13 @@ for step in "$@"; do
     pipeline-bench) python3 -m flux2_fused.bench.pipeline --json "$OUT/pipeline.json" ${PIPELINE_BENCH_ARGS:-} 2>&1 | tee "$OUT/pipeline-bench.log" || rc=1 ;;
     baseline-kernel-bench) baseline python3 -m flux2_fused.bench.kernel ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/baseline-kernel-bench.log" || rc=1 ;;
     baseline-step-bench) baseline python3 -m flux2_fused.bench.step ${STEP_BENCH_ARGS:-} 2>&1 | tee "$OUT/baseline-step-bench.log" || rc=1 ;;
+    parallel-bench)
+      for config in ${PARALLEL_CONFIGS:-klein-4b dev}; do
+        for plan in ${PARALLEL_PLANS:-ulysses=2 ring=2 tp=2}; do
+          python3 -m flux2_fused bench --parallel "$plan" --config "$config" --steps ${PARALLEL_STEPS:-10} \
+            --json "$OUT/parallel-$config-${plan//[=,]/-}.json" 2>&1 | grep -v -i warn | tee "$OUT/parallel-$config-${plan//[=,]/-}.log" || rc=1
+        done
+      done ;;
     pytest:*) python3 -m pytest -q ${step#pytest:} 2>&1 | tee -a "$OUT/pytest.log" | tail -15 || rc=1 ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac

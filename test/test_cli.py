@@ -28,6 +28,7 @@ from flux2_fused.bench.report import (
     KernelReport,
     KernelRow,
     ModeResult,
+    ParallelResult,
     PipelineResult,
     StepResult,
     Timing,
@@ -71,6 +72,7 @@ REPORT_TYPES = [
     Timing,
     StepResult,
     PipelineResult,
+    ParallelResult,
     KernelRow,
     KernelReport,
     VerifyRow,
@@ -669,3 +671,21 @@ def test_build_error_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     code, out, err = run_cli(["build", "--arch", "sm_90"])
     assert code == 1 and out == ""
     assert err.strip().splitlines()[-1].startswith("flux2-fused: error: nvcc not found")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--parallel", "ulysses"], "expected degrees like ulysses=2"),
+        (["--parallel", "pipeline=2"], "expected degrees like ulysses=2"),
+        (["--parallel", "ulysses=1"], "multiply to 1"),
+        (["--parallel", "tp=2,ulysses=2"], "tensor and context parallelism together"),
+        (["--parallel", "ulysses=2", "--weights", "w"], "does not take --weights"),
+        (["--parallel", "ulysses=2", "--height", "100"], "not a positive multiple of 16"),
+        (["--parallel", "ring=2"], "needs 2 CUDA GPUs"),
+    ],
+)
+def test_bench_parallel_refuses_in_one_line_before_any_work(args: list[str], message: str) -> None:
+    code, out, err = run_cli(["bench", *args])
+    assert code == 2 and out == ""
+    assert err.startswith("flux2-fused: error: ") and message in err and len(err.splitlines()) == 1

@@ -2,6 +2,9 @@
 
     flux2-fused bench [--config NAME | --weights PATH] [--height PX --width PX] [--steps N] [--batch N]
                       [--text-tokens N] [--seed N] [--dtype bf16|fp16|fp32] [--json FILE] [--plot FILE.png]
+    flux2-fused bench --parallel ulysses=2|ring=2|tp=2 [--config NAME] [--steps N] [--json FILE] ...
+                                      one step under diffusers' multi-GPU plans, alone vs enable()
+                                      (flux2_fused.bench.parallel; starts torchrun)
     flux2-fused step [--configs NAME ...] [--steps N] [--compile] [--host package|diffusers] [--lora R]
                      [--offload none|model|group] [--json FILE] ...
                                       one denoise step, eager vs fused (flux2_fused.bench.step)
@@ -60,6 +63,8 @@ def _bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtype=args.dtype,
     )
+    if args.parallel is not None:
+        return commands.parallel_command(request, args)
     return commands.bench_command(request, args.json, args.plot)
 
 
@@ -146,6 +151,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     bench.add_argument(
         "--plot", type=Path, metavar="FILE.png", help="draw step and kernel times (needs matplotlib)"
     )
+    bench.add_argument(
+        "--parallel",
+        metavar="PLAN",
+        help="one step under diffusers' parallelism on several GPUs, diffusers alone vs enable(), e.g. "
+        "ulysses=2, ring=2, ulysses=2,ring=2 or tp=2 (starts torchrun, or runs inside it; --steps timed "
+        "pairs; flux2_fused.bench.parallel)",
+    )
 
     step.add_arguments(
         add(
@@ -199,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit status (the console script passes it to sys.exit)."""
     parser, subparsers = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what `bench --parallel` reruns under torchrun
     if extra:  # reported by the subcommand's parser, so its usage line is the one shown
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:

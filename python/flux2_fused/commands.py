@@ -10,6 +10,7 @@ parses.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -18,9 +19,17 @@ from pathlib import Path
 
 import torch
 
-from .bench import denoise, plot
-from .bench.report import VerifyRow, check_output, format_summary, format_verify, write_json
-from .errors import CommandError, NeedsCuda
+from .bench import denoise, parallel, plot
+from .bench.report import (
+    ParallelResult,
+    VerifyRow,
+    check_output,
+    format_parallel_table,
+    format_summary,
+    format_verify,
+    write_json,
+)
+from .errors import BadValue, CommandError, NeedsCuda
 from .models.weights import WeightsError
 from .ops import OPS, jit
 
@@ -70,6 +79,50 @@ def bench_command(
         )
         return 1
     return 0
+
+
+def parallel_command(request: denoise.BenchRequest, args: argparse.Namespace) -> int:
+    """`flux2-fused bench --parallel PLAN`: check everything, then either start torchrun with this
+    command line (one process a GPU) or, inside torchrun, run this process's rank; rank 0 prints the
+    table and writes the JSON. 1 when the fused output differs from diffusers' under the plan."""
+    plan = parallel.parse_plan(args.parallel)
+    for option, value in (("--weights", args.weights), ("--plot", args.plot)):
+        if value is not None:
+            raise BadValue(
+                f"--parallel does not take {option} (it times random weights of a --config preset)"
+            )
+    check_output("--json", args.json)
+    if parallel.under_torchrun():
+        parallel.use_local_device()
+    p = denoise.plan(request)
+    if p.device.type != "cuda":
+        raise NeedsCuda(f"--parallel {plan.label} needs {plan.world} CUDA GPUs and none is available")
+    run = parallel.ParallelRequest(
+        config=denoise.preset_name(p.config),
+        img_tokens=p.image_tokens,
+        txt_tokens=p.text_tokens,
+        batch=p.batch,
+        steps=p.steps,
+        seed=p.seed,
+        dtype=p.dtype,
+    )
+    if not parallel.under_torchrun():
+        gpus = torch.cuda.device_count()
+        if gpus < plan.world:
+            raise NeedsCuda(f"--parallel {plan.label} needs {plan.world} CUDA GPUs, this machine has {gpus}")
+        return subprocess.call(parallel.torchrun_command(plan.world, args.argv))
+
+    def report(result: ParallelResult) -> None:
+        print(format_parallel_table(result, torch.__version__))
+        if args.json is not None:
+            write_json(asdict(result), args.json)
+            print(f"flux2-fused: wrote {args.json.resolve()}", file=sys.stderr)
+        if not result.bit_exact:
+            print(
+                "flux2-fused: error: the fused output differs from diffusers' under the plan", file=sys.stderr
+            )
+
+    return parallel.run_job(run, plan, report)
 
 
 def gpu_benchmark_command(

@@ -43,10 +43,10 @@ LORA_TARGETS = (
 def check_diffusers_host(what: str, lora_rank: int | None = None, offload: str = "none") -> None:
     """BadValue (exit status 2) naming what this environment lacks for the diffusers host with these
     options, so a run fails in one line before it builds a model; `what` names the request."""
-    from ..integrations.diffusers import _check_version
+    from ..integrations.diffusers import check_version
 
     try:
-        _check_version()
+        check_version()
     except RuntimeError as err:
         raise BadValue(f"{what}: {str(err).removeprefix('flux2-fused: ')}") from err
     needs = {"--lora": ("peft", lora_rank is not None), "--offload model": ("accelerate", offload == "model")}

@@ -65,7 +65,10 @@ SUPPORTED_DIFFUSERS = ((0, 37), (0, 43))  # [min, max): the FLUX.2 transformer's
 CLASS_NAME = "Flux2Transformer2DModel"
 
 
-def _check_version() -> str:
+@functools.cache
+def check_version() -> str:
+    """The installed diffusers version; RuntimeError when it is missing or outside the range whose
+    FLUX.2 transformer the patch follows. Looked up once (enable() is called per benchmark step)."""
     try:
         version = importlib.metadata.version("diffusers")
     except importlib.metadata.PackageNotFoundError as err:
@@ -437,7 +440,7 @@ def _fused_forward(
 def enable(model: Any, fused: bool = True) -> FusedHandle:
     """Patch a diffusers Flux2Transformer2DModel, or a pipeline's `.transformer`, in place; returns
     a handle. Enabling twice returns the same handle."""
-    _check_version()
+    check_version()
     transformer = getattr(model, "transformer", model)
     if type(transformer).__name__ != CLASS_NAME:
         raise TypeError(
