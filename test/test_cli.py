@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -507,8 +508,16 @@ def test_step_help() -> None:
     assert code == 0 and out.startswith("usage: flux2-fused step") and "--compile" in out
 
 
+def _fresh_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The integration looks the diffusers version up once a process: this test's own lookup."""
+    from flux2_fused.integrations import diffusers as integration
+
+    monkeypatch.setattr(integration, "check_version", functools.cache(integration.check_version.__wrapped__))
+
+
 def _without(package: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make `package` look uninstalled to the checks (its distribution and its import spec)."""
+    _fresh_version_check(monkeypatch)
     version, find_spec = importlib.metadata.version, importlib.util.find_spec
 
     def missing_version(name: str) -> str:
@@ -523,6 +532,7 @@ def _without(package: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fresh_version_check(monkeypatch)
     real = importlib.metadata.version
     monkeypatch.setattr(
         importlib.metadata, "version", lambda name: version if name == "diffusers" else real(name)
