@@ -119,7 +119,13 @@ class _Wrapped(torch.nn.Module):
 @pytest.fixture
 def routes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts how each block and attention ran: the package's block code or diffusers' own calls."""
-    counts = {"double": 0, "single": 0, "diffusers attention": 0, "diffusers ff": 0}
+    counts = {
+        "double": 0,
+        "single": 0,
+        "diffusers attention": 0,
+        "diffusers single attention": 0,
+        "diffusers ff": 0,
+    }
 
     def counted(name: str, fn):
         def wrapper(*args, **kwargs):
@@ -132,6 +138,11 @@ def routes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     monkeypatch.setattr(integration, "single_block", counted("single", integration.single_block))
     monkeypatch.setattr(
         integration, "_call_attention", counted("diffusers attention", integration._call_attention)
+    )
+    monkeypatch.setattr(
+        integration,
+        "_call_parallel_attention",
+        counted("diffusers single attention", integration._call_parallel_attention),
     )
     monkeypatch.setattr(integration, "_call_ff", counted("diffusers ff", integration._call_ff))
     return counts
@@ -484,7 +495,8 @@ def test_group_offload_equals_diffusers(offload_type: str, routes: dict[str, int
 def test_kv_cache_extract_then_cached_equals_diffusers(routes: dict[str, int]) -> None:
     """KV editing at the transformer: "extract" (reference rows first among the image rows, their own
     modulation at a fixed timestep, their K/V stored) then "cached" (the stored K/V injected): outputs
-    and every stored K/V equal diffusers'."""
+    and every stored K/V equal diffusers', with every block's attention in the block code (the fused
+    q/k/v prologue handing diffusers' KV attention its q, k, v)."""
     from diffusers.models.transformers.transformer_flux2 import (
         Flux2KVAttnProcessor,
         Flux2KVParallelSelfAttnProcessor,
@@ -516,7 +528,9 @@ def test_kv_cache_extract_then_cached_equals_diffusers(routes: dict[str, int]) -
     )
     for ours, theirs in caches:
         assert torch.equal(ours.k_ref, theirs.k_ref) and torch.equal(ours.v_ref, theirs.v_ref)
-    assert routes["double"] == 2 * TINY.num_layers and routes["diffusers attention"] == 2 * TINY.num_layers
+    # Both calls fully in the block code: the fused prologue, then diffusers' KV attention on its q, k, v.
+    assert routes["double"] == 2 * TINY.num_layers and routes["diffusers attention"] == 0
+    assert routes["single"] == 2 * TINY.num_single_layers and routes["diffusers single attention"] == 0
 
 
 def _lora(model: torch.nn.Module, name: str = "default", seed: int = 0) -> None:
@@ -594,3 +608,4 @@ def test_lora_scale_in_joint_attention_kwargs_equals_diffusers(routes: dict[str,
     assert torch.equal(scaled, expected_scaled) and torch.equal(unscaled, expected)
     assert not torch.equal(scaled, unscaled)
     assert routes["double"] == 2 * TINY.num_layers and routes["diffusers attention"] == 0
+    assert routes["single"] == 2 * TINY.num_single_layers and routes["diffusers single attention"] == 0

@@ -8,6 +8,7 @@ where hooks make some sites module calls, it is printed."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Callable, Iterator
 
@@ -279,3 +280,51 @@ def test_klein_inpaint_pipeline_equals_diffusers(fully_fused: int) -> None:
         handle.disable()
     assert torch.equal(patched, expected)
     assert launches == 3 * 2 * fully_fused  # strength 0.75 of 4 steps: 3 steps, two calls each (CFG)
+
+
+# --------------------------------------------------------------------------- KV-cache editing
+
+
+def test_kv_editing_equals_diffusers_and_the_cached_calls_fully_fuse(
+    plain: nn.Module, fully_fused: int
+) -> None:
+    """Flux2KleinKVPipeline's transformer calls on klein-4B: "extract" (reference rows among the image
+    rows, their K/V stored; its per-token modulation keeps those norm sites eager) then "cached" (the
+    stored K/V injected): outputs and stored K/V equal diffusers', and a cached call fuses every site."""
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2KVAttnProcessor,
+        Flux2KVParallelSelfAttnProcessor,
+    )
+
+    for block in plain.transformer_blocks:
+        block.attn.set_processor(Flux2KVAttnProcessor())
+    for block in plain.single_transformer_blocks:
+        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+    ref, img, txt = 256, 1024, 128
+    extract = _inputs(CONFIG, "cuda", torch.bfloat16, img=ref + img, txt=txt)
+    cached = {**_inputs(CONFIG, "cuda", torch.bfloat16, img=img, txt=txt), "timestep": extract["timestep"]}
+    results = {}
+    try:
+        for patched in (True, False):
+            handle = enable(plain) if patched else None
+            with torch.inference_mode():
+                first = plain(**extract, kv_cache_mode="extract", num_ref_tokens=ref, ref_fixed_timestep=0.0)
+                second = plain(**cached, kv_cache=first.kv_cache, kv_cache_mode="cached").sample
+                again = functools.partial(plain, **cached, kv_cache=first.kv_cache, kv_cache_mode="cached")
+                launches = _fused_launches(again)
+            results[patched] = (first, second, launches)
+            if handle is not None:
+                handle.disable()
+    finally:  # the shared model gets its default processors back
+        for block in (*plain.transformer_blocks, *plain.single_transformer_blocks):
+            block.attn.set_processor(type(block.attn)._default_processor_cls())
+    (f_first, f_second, f_launches), (e_first, e_second, e_launches) = results[True], results[False]
+    assert torch.equal(f_first.sample, e_first.sample) and torch.equal(f_second, e_second)
+    caches = zip(
+        f_first.kv_cache.double_block_caches + f_first.kv_cache.single_block_caches,
+        e_first.kv_cache.double_block_caches + e_first.kv_cache.single_block_caches,
+        strict=True,
+    )
+    for ours, theirs in caches:
+        assert torch.equal(ours.k_ref, theirs.k_ref) and torch.equal(ours.v_ref, theirs.v_ref)
+    assert e_launches == 0 and f_launches == fully_fused

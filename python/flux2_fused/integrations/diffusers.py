@@ -21,9 +21,9 @@ Each call decides what it can vouch for, from the module state at that moment:
   fused forward, which takes the class forward's place at the bottom, whichever came first;
 - `joint_attention_kwargs`: a LoRA "scale" scales the adapters for the call, as diffusers does;
   other keys go to each attention call, which then runs as diffusers' own;
-- KV-cache editing ("extract" and "cached" modes) runs as diffusers' forward does, with the
-  attention of each block through diffusers' KV processor (the residual, norm and SwiGLU sites
-  around it stay fused; the per-token modulation of "extract" declines to the eager chain);
+- KV-cache editing ("extract" and "cached" modes) runs as diffusers' forward does, each block in
+  the block code, the fused prologue's q, k, v handed to diffusers' KV attention (stored, or
+  injected from the cache); the per-token modulation of "extract" declines to the eager chain;
 - the whole call takes diffusers' forward for what the loop does not implement: gradient
   checkpointing while a gradient is needed, a forward wrapper of unknown kind on the instance, hooks
   on the transformer's own top-level modules that the loop bypasses (`norm_out`);
@@ -130,12 +130,11 @@ def _binds_class_forward(fn: Any, transformer: nn.Module) -> bool:
     return bound_to is transformer and getattr(fn, "__func__", None) is type(transformer).forward
 
 
-def _attention_plain(attn: nn.Module, processor_class: type) -> bool:
-    """The attention module's forward may be replaced by the block code: diffusers' default processor
-    (on any backend, with or without a parallel config: the block code hands q, k, v to the same
-    dispatch), unfused projections, no hooks, the parameter-free dropout of `to_out` (diffusers keeps
-    one at index 1 in the double block) inactive."""
-    if not (bypassable(attn) and type(attn.processor) is processor_class):
+def _attention_plain(attn: nn.Module) -> bool:
+    """The attention module's forward may be replaced by the block code (its processor aside):
+    unfused projections, no hooks, the parameter-free dropout of `to_out` (diffusers keeps one at
+    index 1 in the double block) inactive."""
+    if not bypassable(attn):
         return False
     if getattr(attn, "fused_projections", False):
         return False
@@ -170,6 +169,67 @@ def _dispatch(processor: Any) -> Callable[[torch.Tensor, torch.Tensor, torch.Ten
         return out.flatten(2, 3).to(query.dtype)
 
     return sdpa
+
+
+# The attention arguments diffusers' forward itself passes in KV-cache editing.
+KV_ARGUMENTS = frozenset({"kv_cache", "kv_cache_mode", "num_ref_tokens", "num_txt_tokens"})
+
+
+def _kv_dispatch(
+    processor: Any, kv_cache: Any, kv_cache_mode: str | None, num_ref_tokens: int, num_txt_tokens: int
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The attention of diffusers' KV processors on the q, k, v the block code computed, as they
+    run it: in "extract" mode the reference rows' K/V stored in the layer's cache and the reference
+    rows attending only to themselves, in "cached" mode the stored K/V injected between the text and
+    image rows; without KV arguments the default processor's dispatch."""
+    from diffusers.models.transformers.transformer_flux2 import _flux2_kv_causal_attention
+
+    plain = _dispatch(processor)
+    refs, txt = num_ref_tokens, num_txt_tokens
+
+    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if kv_cache_mode == "extract" and kv_cache is not None and refs > 0:
+            kv_cache.store(key[:, txt : txt + refs].clone(), value[:, txt : txt + refs].clone())
+        if kv_cache_mode == "extract" and refs > 0:
+            out = _flux2_kv_causal_attention(
+                query, key, value, txt, refs, backend=processor._attention_backend
+            )
+        elif kv_cache_mode == "cached" and kv_cache is not None:
+            out = _flux2_kv_causal_attention(
+                query, key, value, txt, 0, kv_cache=kv_cache, backend=processor._attention_backend
+            )
+        else:
+            return plain(query, key, value)
+        return out.flatten(2, 3).to(query.dtype)
+
+    return sdpa
+
+
+def _block_sdpa(
+    attn: nn.Module, default: str, kv: str, kwargs: dict | None, txt_tokens: int
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The attention the block code runs for `attn` with these arguments, or None where diffusers'
+    own attention call must run: a processor other than diffusers' default (class `default`) or KV
+    one (class `kv`, where this diffusers has it), arguments other than the KV ones diffusers' forward
+    passes, or a module the block code may not bypass. The default processor drops KV arguments, as
+    diffusers' attention module does for a processor that does not take them."""
+    from diffusers.models.transformers import transformer_flux2
+
+    kwargs = kwargs or {}
+    if not (set(kwargs) <= KV_ARGUMENTS and _attention_plain(attn)):
+        return None
+    processor = attn.processor
+    if type(processor) is getattr(transformer_flux2, default):
+        return _dispatch(processor)
+    if type(processor) is getattr(transformer_flux2, kv, None):
+        return _kv_dispatch(
+            processor,
+            kwargs.get("kv_cache"),
+            kwargs.get("kv_cache_mode"),
+            kwargs.get("num_ref_tokens", 0),
+            kwargs.get("num_txt_tokens", txt_tokens),
+        )
+    return None
 
 
 def _norms_plain(block: nn.Module, names: tuple[str, ...]) -> bool:
@@ -224,11 +284,10 @@ def _run_double(
     mod_txt: torch.Tensor,
     rope: Any,
     attn_kwargs: dict | None = None,
+    txt_tokens: int = 0,
 ) -> tuple[Stream, Stream]:
     """One double block: the block code where the block is plain, with diffusers' attention call
-    where its attention is not (or takes KV-cache arguments), else the block's own call."""
-    from diffusers.models.transformers.transformer_flux2 import Flux2AttnProcessor
-
+    where the block code cannot run its attention (`_block_sdpa`), else the block's own call."""
     if not (bypassable(block) and _norms_plain(block, ("norm1", "norm1_context", "norm2", "norm2_context"))):
         c_out, x_out = block(
             hidden_states=materialize(x),
@@ -239,8 +298,9 @@ def _run_double(
             joint_attention_kwargs=attn_kwargs,
         )
         return x_out, c_out
-    if not attn_kwargs and _attention_plain(block.attn, Flux2AttnProcessor):
-        attend = functools.partial(double_attention, sdpa=_dispatch(block.attn.processor))
+    sdpa = _block_sdpa(block.attn, "Flux2AttnProcessor", "Flux2KVAttnProcessor", attn_kwargs, txt_tokens)
+    if sdpa is not None:
+        attend = functools.partial(double_attention, sdpa=sdpa)
     else:
         attend = functools.partial(_call_attention, **(attn_kwargs or {}))
     return double_block(block, fusion, x, c, mod_img, mod_txt, rope, attend=attend, mlp=_feed_forward)
@@ -250,7 +310,7 @@ def _run_single(
     block: nn.Module, fusion: Fusion, h: Stream, mod: torch.Tensor, rope: Any, attn_kwargs: dict | None = None
 ) -> Stream:
     """One single block, chosen like `_run_double`."""
-    from diffusers.models.transformers.transformer_flux2 import Flux2ParallelSelfAttnProcessor, Flux2SwiGLU
+    from diffusers.models.transformers.transformer_flux2 import Flux2SwiGLU
 
     if not (bypassable(block) and _norms_plain(block, ("norm",))):
         return block(
@@ -261,10 +321,11 @@ def _run_single(
             joint_attention_kwargs=attn_kwargs,
         )
     attn = block.attn
-    plain = not attn_kwargs and _attention_plain(attn, Flux2ParallelSelfAttnProcessor)
-    plain = plain and type(attn.mlp_act_fn) is Flux2SwiGLU and bypassable(attn.mlp_act_fn)
-    if plain:
-        attend = functools.partial(parallel_attention, sdpa=_dispatch(attn.processor))
+    sdpa = _block_sdpa(
+        attn, "Flux2ParallelSelfAttnProcessor", "Flux2KVParallelSelfAttnProcessor", attn_kwargs, 0
+    )
+    if sdpa is not None and type(attn.mlp_act_fn) is Flux2SwiGLU and bypassable(attn.mlp_act_fn):
+        attend = functools.partial(parallel_attention, sdpa=sdpa)
     else:
         attend = functools.partial(_call_parallel_attention, **(attn_kwargs or {}))
     return single_block(block, fusion, h, mod, rope, attend=attend)
@@ -425,7 +486,9 @@ def _fused_forward(
             self,
             handle.fusion,
             cond,
-            run_double=lambda i, block, *args: _run_double(block, *args, attn_kwargs=double_kwargs[i]),
+            run_double=lambda i, block, *args: _run_double(
+                block, *args, attn_kwargs=double_kwargs[i], txt_tokens=txt_tokens
+            ),
             run_single=lambda i, block, *args: _run_single(block, *args, attn_kwargs=single_kwargs[i]),
             run_output=_run_output,
             leading_rows=leading_rows,
