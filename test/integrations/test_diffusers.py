@@ -492,6 +492,17 @@ def test_group_offload_equals_diffusers(offload_type: str, routes: dict[str, int
         assert routes["double"] == TINY.num_layers  # blocks stay fused around the wrapped leaves
 
 
+def assert_same_kv_caches(ours: object, theirs: object) -> None:
+    """Every layer's stored reference K and V equal, bit for bit."""
+    pairs = zip(
+        ours.double_block_caches + ours.single_block_caches,
+        theirs.double_block_caches + theirs.single_block_caches,
+        strict=True,
+    )
+    for mine, expected in pairs:
+        assert torch.equal(mine.k_ref, expected.k_ref) and torch.equal(mine.v_ref, expected.v_ref)
+
+
 def test_kv_cache_extract_then_cached_equals_diffusers(routes: dict[str, int]) -> None:
     """KV editing at the transformer: "extract" (reference rows first among the image rows, their own
     modulation at a fixed timestep, their K/V stored) then "cached" (the stored K/V injected): outputs
@@ -521,13 +532,7 @@ def test_kv_cache_extract_then_cached_equals_diffusers(routes: dict[str, int]) -
             handle.disable()
     (f_first, f_second), (e_first, e_second) = results[True], results[False]
     assert torch.equal(f_first.sample, e_first.sample) and torch.equal(f_second, e_second)
-    caches = zip(
-        f_first.kv_cache.double_block_caches + f_first.kv_cache.single_block_caches,
-        e_first.kv_cache.double_block_caches + e_first.kv_cache.single_block_caches,
-        strict=True,
-    )
-    for ours, theirs in caches:
-        assert torch.equal(ours.k_ref, theirs.k_ref) and torch.equal(ours.v_ref, theirs.v_ref)
+    assert_same_kv_caches(f_first.kv_cache, e_first.kv_cache)
     # Both calls fully in the block code: the fused prologue, then diffusers' KV attention on its q, k, v.
     assert routes["double"] == 2 * TINY.num_layers and routes["diffusers attention"] == 0
     assert routes["single"] == 2 * TINY.num_single_layers and routes["diffusers single attention"] == 0

@@ -20,7 +20,7 @@ from flux2_fused.bench import hosts
 from flux2_fused.integrations.diffusers import enable
 from flux2_fused.models.flux2 import Flux2Config
 
-from .test_diffusers import _fused_launches, _inputs
+from .test_diffusers import _fused_launches, _inputs, assert_same_kv_caches
 
 pytestmark = pytest.mark.gpu
 diffusers = pytest.importorskip("diffusers")
@@ -320,11 +320,5 @@ def test_kv_editing_equals_diffusers_and_the_cached_calls_fully_fuse(
             block.attn.set_processor(type(block.attn)._default_processor_cls())
     (f_first, f_second, f_launches), (e_first, e_second, e_launches) = results[True], results[False]
     assert torch.equal(f_first.sample, e_first.sample) and torch.equal(f_second, e_second)
-    caches = zip(
-        f_first.kv_cache.double_block_caches + f_first.kv_cache.single_block_caches,
-        e_first.kv_cache.double_block_caches + e_first.kv_cache.single_block_caches,
-        strict=True,
-    )
-    for ours, theirs in caches:
-        assert torch.equal(ours.k_ref, theirs.k_ref) and torch.equal(ours.v_ref, theirs.v_ref)
+    assert_same_kv_caches(f_first.kv_cache, e_first.kv_cache)
     assert e_launches == 0 and f_launches == fully_fused
