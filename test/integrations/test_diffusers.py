@@ -407,16 +407,48 @@ def test_enable_takes_a_pipeline() -> None:
     assert "forward" not in model.__dict__
 
 
-def test_blocks_compiled_on_their_own_run_their_compiled_call(routes: dict[str, int]) -> None:
-    """`compile_repeated_blocks` compiles each block module: the patch then calls the blocks (the
-    user's compiled code), and the output is diffusers'."""
+def test_compile_repeated_blocks_runs_the_compiled_blocks(routes: dict[str, int]) -> None:
+    """diffusers' `compile_repeated_blocks(fullgraph=True)` compiles each block module: the patch then
+    calls the blocks (the user's compiled code), and the output is diffusers'."""
 
     def change(model: torch.nn.Module) -> None:
-        for block in (*model.transformer_blocks, *model.single_transformer_blocks):
-            block.compile(backend="eager")
+        model.compile_repeated_blocks(fullgraph=True, backend="eager")
 
+    torch.compiler.reset()
     patched, expected = _patched_and_diffusers(_model(), change)
     assert torch.equal(patched, expected) and routes["double"] == 0 and routes["single"] == 0
+
+
+def test_diffusers_cache_hooks_give_diffusers_outputs(routes: dict[str, int]) -> None:
+    """diffusers' own caches on FLUX.2 (pyramid attention broadcast: attention outputs reused across
+    calls by hooks on the attention modules) run as in diffusers over a run of calls: the hooked
+    attention is diffusers' call, the rest of each block fused. (First-block cache fails on FLUX.2 in
+    diffusers 0.42.1 itself: its tail hook subtracts the double block's output tuple.)"""
+    from diffusers.hooks import PyramidAttentionBroadcastConfig
+
+    calls = [_inputs(TINY, "cpu", torch.float32) for _ in range(3)]
+    outputs = {}
+    for patched, cached in ((True, True), (False, True), (False, False)):
+        model = _model()
+        if cached:
+            model.enable_cache(
+                PyramidAttentionBroadcastConfig(
+                    spatial_attention_block_skip_range=2, current_timestep_callback=lambda: 500
+                )
+            )
+        if patched:
+            enable(model)
+        with torch.inference_mode(), attention_backend("native"):
+            outputs[patched, cached] = []
+            for inputs in calls:
+                with model.cache_context("cond"):
+                    outputs[patched, cached].append(model(**inputs).sample)
+    for ours, theirs in zip(outputs[True, True], outputs[False, True], strict=True):
+        assert torch.equal(ours, theirs)
+    assert not torch.equal(
+        outputs[False, True][1], outputs[False, False][1]
+    )  # call 2 reused call 1's attention
+    assert routes["double"] == 3 * TINY.num_layers and routes["diffusers attention"] == 3 * TINY.num_layers
 
 
 def test_torch_compile_of_the_patched_transformer_equals_diffusers() -> None:

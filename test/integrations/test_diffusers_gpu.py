@@ -104,6 +104,25 @@ def _klein_pipeline(model: nn.Module) -> object:
     return hosts.klein_pipeline(diffusers.Flux2KleinPipeline, model)
 
 
+# --------------------------------------------------------------------------- moves
+
+
+@ORDERS
+def test_device_and_dtype_moves_stay_fully_fused(patch_first: bool, inputs: dict, fully_fused: int) -> None:
+    """The transformer moved to the CPU in fp32, put in a pipeline there, the pipeline moved to the GPU
+    (`pipe.to("cuda")`) and the transformer back to bf16 (`.to(dtype)`), enable() before or after the
+    moves: every site fuses on the moved parameters."""
+
+    def setup(model: nn.Module) -> object:
+        model.to("cpu", torch.float32)
+        pipe = _klein_pipeline(model)
+        pipe.to("cuda")
+        model.to(torch.bfloat16)
+        return pipe
+
+    assert _patched_vs_diffusers(setup, inputs, patch_first) == fully_fused
+
+
 # --------------------------------------------------------------------------- offloading
 
 
