@@ -134,8 +134,7 @@ def diffusers_host(
 def use_fused(target: Any, fused: bool) -> None:
     """Switch a diffusers transformer (or a pipeline's) between `enable()` (True) and diffusers' own
     forward (False), so a benchmark alternates them call by call on one model. Does nothing when it
-    is already in that mode: `enable()` looks up the installed diffusers version on every call (about
-    a millisecond of host time), which must not be timed as part of a step."""
+    is already in that mode, so no switching work is timed as part of a step."""
     from ..integrations.diffusers import enable
 
     handle = getattr(getattr(target, "transformer", target), "_flux2_fused_handle", None)
