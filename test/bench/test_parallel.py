@@ -90,6 +90,7 @@ def test_table() -> None:
         diffusers_ms=300.0,
         fused_ms=240.0,
         bit_exact=True,
+        single_bit_exact=True,
         fused_launches_per_rank=[201, 201],
         single_fused_launches=201,
         differs_from_single=0,
@@ -99,5 +100,5 @@ def test_table() -> None:
     )
     table = format_parallel_table(result, "2.11")
     assert "| ulysses=2 (2 GPUs) | 300.0 | 240.0 | 1.250x | 1.83x | 201 / 201 | yes |" in table
-    assert "| 1 GPU | 540.0 | 440.0 | 1.227x | 1.00x | 201 | - |" in table
+    assert "| 1 GPU | 540.0 | 440.0 | 1.227x | 1.00x | 201 | yes |" in table
     assert "bit-identical to one GPU" in table

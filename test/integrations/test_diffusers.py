@@ -5,6 +5,7 @@ with the blocks the patch can vouch for still computed by the package's block co
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -646,3 +647,102 @@ def test_lora_scale_in_joint_attention_kwargs_equals_diffusers(routes: dict[str,
     assert not torch.equal(scaled, unscaled)
     assert routes["double"] == 2 * TINY.num_layers and routes["diffusers attention"] == 0
     assert routes["single"] == 2 * TINY.num_single_layers and routes["diffusers single attention"] == 0
+
+
+def _replacing_hook(model: torch.nn.Module, calls: list) -> None:
+    """A hook in diffusers' registry with its own `new_forward` (as FasterCache's and SeaCache's on the
+    transformer): it decides whether to call the forward below, kept in `original_forward`."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class Replacing(ModelHook):
+        def new_forward(self, module, *args, **kwargs):
+            calls.append("replacing")
+            return self.fn_ref.original_forward(*args, **kwargs)
+
+    HookRegistry.check_if_exists_or_initialize(model).register_hook(Replacing(), "replacing")
+
+
+@pytest.mark.parametrize("order", ["enable first", "hook first"])
+def test_a_hook_with_its_own_forward_runs_around_the_fused_forward(
+    order: str, routes: dict[str, int]
+) -> None:
+    model = _model()
+    calls: list[str] = []
+    if order == "enable first":
+        handle = enable(model)
+    _replacing_hook(model, calls)
+    if order == "hook first":
+        handle = enable(model)
+    inputs = _inputs(TINY, "cpu", torch.float32)
+    with torch.inference_mode(), attention_backend("native"):
+        patched = model(**inputs).sample
+        assert calls == ["replacing"] and routes["double"] == TINY.num_layers
+        handle.disable()
+        expected = model(**inputs).sample  # no fused forward left under the hook
+    assert (
+        torch.equal(patched, expected) and calls == ["replacing"] * 2 and routes["double"] == TINY.num_layers
+    )
+
+
+def test_enable_installs_again_after_the_fused_forward_was_replaced() -> None:
+    model = _model()
+    first = enable(model)
+    model.forward = types.MethodType(type(model).forward, model)  # someone put diffusers' forward back
+    second = enable(model)
+    assert second is not first and model.forward == second.method
+
+
+def test_positional_joint_attention_kwargs_are_not_a_lora_scale(routes: dict[str, int]) -> None:
+    """diffusers scales LoRA layers only for `joint_attention_kwargs=` given by keyword; given
+    positionally the dict goes to the attention calls whole (which drop "scale")."""
+    model = _model()
+    _lora(model)
+    handle = enable(model)
+    x = _inputs(TINY, "cpu", torch.float32)
+    args = (
+        x["hidden_states"],
+        x["encoder_hidden_states"],
+        x["timestep"],
+        x["img_ids"],
+        x["txt_ids"],
+        x["guidance"],
+    )
+    with torch.inference_mode(), attention_backend("native"):
+        patched = model(*args, {"scale": 0.3}).sample
+        handle.disable()
+        expected = model(*args, {"scale": 0.3}).sample
+        unscaled = model(*args).sample
+    assert torch.equal(patched, expected) and torch.equal(expected, unscaled)
+
+
+def test_kv_arguments_diffusers_drops_are_dropped() -> None:
+    """A `num_txt_tokens` in `joint_attention_kwargs` reaches only the single blocks' KV processor
+    (the double blocks' takes the text rows from its input), and a "cached" call without a cache
+    raises as diffusers' does."""
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2KVAttnProcessor,
+        Flux2KVParallelSelfAttnProcessor,
+    )
+
+    model = _model()
+    for block in model.transformer_blocks:
+        block.attn.set_processor(Flux2KVAttnProcessor())
+    for block in model.single_transformer_blocks:
+        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+    inputs = _inputs(TINY, "cpu", torch.float32, img=37, txt=11)
+    extract = {
+        "kv_cache_mode": "extract",
+        "num_ref_tokens": 9,
+        "joint_attention_kwargs": {"num_txt_tokens": 11},
+    }
+    outputs, errors = [], []
+    for patched in (True, False):
+        handle = enable(model) if patched else None
+        with torch.inference_mode(), attention_backend("native"):
+            outputs.append(model(**inputs, **extract).sample)
+            with pytest.raises(TypeError) as raised:
+                model(**inputs, kv_cache_mode="cached")
+            errors.append(str(raised.value))
+        if handle is not None:
+            handle.disable()
+    assert torch.equal(outputs[0], outputs[1]) and errors[0] == errors[1]

@@ -615,11 +615,12 @@ class ParallelResult:
     - diffusers_ms: median step under the plan, diffusers' forward (the slowest rank's median)
     - fused_ms: the same with `enable()`
     - bit_exact: the fused output equals diffusers' under the same plan on every rank (torch.equal)
+    - single_bit_exact: on one GPU alone, the fused output equals diffusers' (torch.equal)
     - fused_launches_per_rank: this package's kernel launches in one fused step, rank by rank
     - single_fused_launches: the same on one GPU alone
     - differs_from_single: elements of diffusers' output under the plan that differ from its
       single-GPU output (0: the plan changes no bit)
-    - max_abs_diff_from_single: the largest of those differences
+    - max_abs_diff_from_single: the largest of those differences (NaN when the shapes differ)
     - diffusers_sha256: SHA-256 of diffusers' output under the plan
     - fused_sha256: SHA-256 of the fused output under the plan
     """
@@ -638,6 +639,7 @@ class ParallelResult:
     diffusers_ms: float
     fused_ms: float
     bit_exact: bool
+    single_bit_exact: bool
     fused_launches_per_rank: list[int]
     single_fused_launches: int
     differs_from_single: int
@@ -672,7 +674,7 @@ def format_parallel_table(result: ParallelResult, torch_version: str) -> str:
             f"{r.single_gain:.3f}x",
             "1.00x",
             r.single_fused_launches,
-            "-",
+            _yes(r.single_bit_exact),
         ],
         [
             f"{r.plan} ({r.world} GPUs)",

@@ -118,11 +118,14 @@ def _forward_slots(transformer: nn.Module) -> list[tuple[Any, str]]:
     """The places that hold a forward of the transformer, outermost first: the instance's own
     `forward`, accelerate's `_old_forward` (what its hook calls: model CPU offload, device maps),
     and the function references of diffusers' hook registry (each hook calls the next one down, the
-    last the module's forward: context-parallel splitting, caches, group offloading)."""
+    last the module's forward: context-parallel splitting, caches, group offloading).
+    Only slots that hold something are listed."""
     slots = [(transformer, "forward"), (transformer, "_old_forward")]
     registry = getattr(transformer, "_diffusers_hook", None)
-    slots += [(ref, "forward") for ref in reversed(getattr(registry, "_fn_refs", []))]
-    return [(holder, name) for holder, name in slots if name in vars(holder)]
+    for ref in reversed(getattr(registry, "_fn_refs", [])):
+        # A hook with its own `new_forward` keeps what it calls in `original_forward`.
+        slots += [(ref, "forward"), (ref, "original_forward")]
+    return [(holder, name) for holder, name in slots if getattr(holder, name, None) is not None]
 
 
 def _binds_class_forward(fn: Any, transformer: nn.Module) -> bool:
@@ -227,7 +230,7 @@ def _block_sdpa(
             kwargs.get("kv_cache"),
             kwargs.get("kv_cache_mode"),
             kwargs.get("num_ref_tokens", 0),
-            kwargs.get("num_txt_tokens", txt_tokens),
+            txt_tokens,
         )
     return None
 
@@ -321,8 +324,9 @@ def _run_single(
             joint_attention_kwargs=attn_kwargs,
         )
     attn = block.attn
+    txt_tokens = (attn_kwargs or {}).get("num_txt_tokens", 0)  # the single KV processor's own default
     sdpa = _block_sdpa(
-        attn, "Flux2ParallelSelfAttnProcessor", "Flux2KVParallelSelfAttnProcessor", attn_kwargs, 0
+        attn, "Flux2ParallelSelfAttnProcessor", "Flux2KVParallelSelfAttnProcessor", attn_kwargs, txt_tokens
     )
     if sdpa is not None and type(attn.mlp_act_fn) is Flux2SwiGLU and bypassable(attn.mlp_act_fn):
         attend = functools.partial(parallel_attention, sdpa=sdpa)
@@ -429,6 +433,18 @@ def _lora_scale(model: nn.Module, joint_attention_kwargs: dict | None) -> Iterat
             unscale_lora_layers(model, scale)
 
 
+# diffusers' forward's parameters after `guidance`, in order (a caller may pass them positionally),
+# with their defaults.
+FORWARD_TAIL = {
+    "joint_attention_kwargs": None,
+    "return_dict": True,
+    "kv_cache": None,
+    "kv_cache_mode": None,
+    "num_ref_tokens": 0,
+    "ref_fixed_timestep": 0.0,
+}
+
+
 def _fused_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -437,50 +453,48 @@ def _fused_forward(
     img_ids: torch.Tensor = None,
     txt_ids: torch.Tensor = None,
     guidance: torch.Tensor = None,
-    joint_attention_kwargs: dict | None = None,
-    return_dict: bool = True,
-    kv_cache: Any = None,
-    kv_cache_mode: str | None = None,
-    num_ref_tokens: int = 0,
-    ref_fixed_timestep: float = 0.0,
+    *tail: Any,
+    **options: Any,
 ) -> Any:
     """diffusers' forward, computed by the package's block code on diffusers' modules where that is
     provably the same, and by diffusers itself everywhere else (see the module docstring).
 
+    The parameters after `guidance` are taken as diffusers' forward takes them, positionally or by
+    keyword, because its LoRA scaling reads `joint_attention_kwargs` only when passed by keyword.
     Bound to the transformer as a method, so a `copy.deepcopy` of the module binds the copy."""
-    handle: FusedHandle = self._flux2_fused_handle
+    handle: FusedHandle | None = getattr(self, "_flux2_fused_handle", None)
+    names = list(FORWARD_TAIL)
+    well_formed = len(tail) <= len(names) and set(options) <= set(names[len(tail) :])
+    settings = {**FORWARD_TAIL, **dict(zip(names, tail, strict=False)), **options}  # tail may be short
+    mode, kv_cache = settings["kv_cache_mode"], settings["kv_cache"]
     if (
-        handle.previous_forward is not None
-        or kv_cache_mode not in (None, "extract", "cached")
+        handle is None  # the handle was disabled while this method stayed reachable (another wrapper)
+        or handle.previous_forward is not None
+        or not well_formed  # diffusers' own forward raises Python's error
+        or mode not in (None, "extract", "cached")
+        # diffusers raises for a "cached" call without a cache or attention arguments
+        or (mode == "cached" and kv_cache is None and settings["joint_attention_kwargs"] is None)
         or (torch.is_grad_enabled() and getattr(self, "gradient_checkpointing", False))
         or not _top_level_plain(self)
     ):
-        original = handle.previous_forward or types.MethodType(type(self).forward, self)
+        original = (handle and handle.previous_forward) or types.MethodType(type(self).forward, self)
         return original(
-            hidden_states,
-            encoder_hidden_states,
-            timestep,
-            img_ids,
-            txt_ids,
-            guidance,
-            joint_attention_kwargs=joint_attention_kwargs,
-            return_dict=return_dict,
-            kv_cache=kv_cache,
-            kv_cache_mode=kv_cache_mode,
-            num_ref_tokens=num_ref_tokens,
-            ref_fixed_timestep=ref_fixed_timestep,
+            hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance, *tail, **options
         )
-    with _lora_scale(self, joint_attention_kwargs) as extra:
+    num_ref_tokens = settings["num_ref_tokens"]
+    with _lora_scale(self, options.get("joint_attention_kwargs")) as extra:
+        if "joint_attention_kwargs" not in options:  # passed positionally (or not at all): goes on whole
+            extra = settings["joint_attention_kwargs"]
         cond = conditioning(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance)
         txt_tokens = encoder_hidden_states.shape[1]
         leading_rows = txt_tokens
-        if kv_cache_mode == "extract" and num_ref_tokens > 0:
+        if mode == "extract" and num_ref_tokens > 0:
             cond, kv_cache = _kv_conditioning(
-                self, cond, hidden_states.shape[1], txt_tokens, num_ref_tokens, ref_fixed_timestep
+                self, cond, hidden_states.shape[1], txt_tokens, num_ref_tokens, settings["ref_fixed_timestep"]
             )
             leading_rows += num_ref_tokens
         double_kwargs, single_kwargs = _attention_kwargs(
-            self, extra, kv_cache, kv_cache_mode, num_ref_tokens, txt_tokens
+            self, extra, kv_cache, mode, num_ref_tokens, txt_tokens
         )
         out = transformer(
             self,
@@ -495,7 +509,8 @@ def _fused_forward(
         )
     from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModelOutput
 
-    if kv_cache_mode == "extract":  # the new cache is returned alongside, as diffusers does
+    return_dict = settings["return_dict"]
+    if mode == "extract":  # the new cache is returned alongside, as diffusers does
         return Flux2Transformer2DModelOutput(out, kv_cache) if return_dict else (out, kv_cache)
     return Flux2Transformer2DModelOutput(sample=out) if return_dict else (out,)
 
@@ -512,7 +527,9 @@ def enable(model: Any, fused: bool = True) -> FusedHandle:
         )
     existing = getattr(transformer, "_flux2_fused_handle", None)
     if existing is not None:
-        return existing
+        if any(getattr(holder, name) is existing.method for holder, name in _forward_slots(transformer)):
+            return existing
+        transformer._flux2_fused_handle = None  # replaced from outside since: install afresh
     method = types.MethodType(_fused_forward, transformer)
     # Under wrappers that end in the class's forward (accelerate's and diffusers' hooks), the fused
     # forward takes its place there, so the wrappers run around it; a wrapper of unknown kind stays

@@ -119,7 +119,8 @@ def double_attention(
     )
     out = sdpa(query, key, value)
     c_out, x_out = out.split_with_sizes([c.shape[1], x.shape[1]], dim=1)
-    return attn.to_out[0](x_out), attn.to_add_out(c_out)
+    c_out = attn.to_add_out(c_out)  # before to_out, as diffusers calls them (adapter dropout draws in order)
+    return attn.to_out[0](x_out), c_out
 
 
 def parallel_attention(
