@@ -746,3 +746,36 @@ def test_kv_arguments_diffusers_drops_are_dropped() -> None:
         if handle is not None:
             handle.disable()
     assert torch.equal(outputs[0], outputs[1]) and errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("kv", [False, True], ids=["plain", "kv-extract"])
+def test_modules_are_called_in_diffusers_order(kv: bool) -> None:
+    """Stateful wrappers (adapter dropout drawing random numbers, offload prefetch order) see the
+    modules they wrap called in diffusers' order, KV extraction's reference modulation included."""
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2KVAttnProcessor,
+        Flux2KVParallelSelfAttnProcessor,
+    )
+
+    model = _model()
+    if kv:
+        for block in model.transformer_blocks:
+            block.attn.set_processor(Flux2KVAttnProcessor())
+        for block in model.single_transformer_blocks:
+            block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+    order: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or name in ("pos_embed", "time_guidance_embed"):
+            module.register_forward_pre_hook(lambda m, a, name=name: order.append(name))
+    inputs = _inputs(TINY, "cpu", torch.float32, img=37, txt=11)
+    extra = {"kv_cache_mode": "extract", "num_ref_tokens": 9} if kv else {}
+    orders = []
+    for patched in (True, False):
+        handle = enable(model) if patched else None
+        order.clear()
+        with torch.inference_mode(), attention_backend("native"):
+            model(**inputs, **extra)
+        orders.append(list(order))
+        if handle is not None:
+            handle.disable()
+    assert orders[0] == orders[1] and len(orders[0]) > 20

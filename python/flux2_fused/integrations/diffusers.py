@@ -36,7 +36,6 @@ Each call decides what it can vouch for, from the module state at that moment:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib.metadata
 import types
@@ -48,7 +47,7 @@ import torch
 from torch import nn
 
 from ..models.blocks import (
-    Conditioning,
+    Blend,
     bypassable,
     conditioning,
     double_attention,
@@ -352,37 +351,30 @@ def _top_level_plain(model: nn.Module) -> bool:
     return plain_norm and type(norm_out.silu) is nn.SiLU and bypassable(norm_out.silu)
 
 
-def _kv_conditioning(
-    model: nn.Module,
-    cond: Conditioning,
-    image_tokens: int,
-    txt_tokens: int,
-    num_ref_tokens: int,
-    ref_fixed_timestep: float,
-) -> tuple[Conditioning, Any]:
-    """KV-cache extraction with reference rows, as diffusers' forward does it: a new cache, and the
-    reference rows' own modulation (at a fixed timestep) blended per token into the image and joint
-    modulations."""
+def _reference_blend(
+    model: nn.Module, image_tokens: int, txt_tokens: int, num_ref_tokens: int, ref_fixed_timestep: float
+) -> Blend:
+    """KV-cache extraction with reference rows, as diffusers' forward does it: the reference rows'
+    own modulation (at a fixed timestep) blended per token into the image and joint modulations."""
     from diffusers.models.transformers.transformer_flux2 import (
-        Flux2KVCache,
         _blend_double_block_mods,
         _blend_single_block_mods,
     )
 
-    kv_cache = Flux2KVCache(len(model.transformer_blocks), len(model.single_transformer_blocks))
-    kv_cache.num_ref_tokens = num_ref_tokens
-    ref_timestep = torch.full_like(cond.timestep, ref_fixed_timestep * 1000)
-    ref_temb = model.time_guidance_embed(ref_timestep, cond.guidance)
-    ref_mod_img = model.double_stream_modulation_img(ref_temb)
-    ref_mod_single = model.single_stream_modulation(ref_temb)
-    cond = dataclasses.replace(
-        cond,
-        mod_img=_blend_double_block_mods(cond.mod_img, ref_mod_img, num_ref_tokens, image_tokens),
-        mod_single=_blend_single_block_mods(
-            cond.mod_single, ref_mod_single, txt_tokens, num_ref_tokens, txt_tokens + image_tokens
-        ),
-    )
-    return cond, kv_cache
+    def blend(
+        timestep: torch.Tensor, guidance: torch.Tensor | None, mod_img: torch.Tensor, mod_single: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ref_temb = model.time_guidance_embed(torch.full_like(timestep, ref_fixed_timestep * 1000), guidance)
+        ref_mod_img = model.double_stream_modulation_img(ref_temb)
+        ref_mod_single = model.single_stream_modulation(ref_temb)
+        return (
+            _blend_double_block_mods(mod_img, ref_mod_img, num_ref_tokens, image_tokens),
+            _blend_single_block_mods(
+                mod_single, ref_mod_single, txt_tokens, num_ref_tokens, txt_tokens + image_tokens
+            ),
+        )
+
+    return blend
 
 
 def _attention_kwargs(
@@ -485,14 +477,21 @@ def _fused_forward(
     with _lora_scale(self, options.get("joint_attention_kwargs")) as extra:
         if "joint_attention_kwargs" not in options:  # passed positionally (or not at all): goes on whole
             extra = settings["joint_attention_kwargs"]
-        cond = conditioning(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance)
         txt_tokens = encoder_hidden_states.shape[1]
         leading_rows = txt_tokens
-        if mode == "extract" and num_ref_tokens > 0:
-            cond, kv_cache = _kv_conditioning(
-                self, cond, hidden_states.shape[1], txt_tokens, num_ref_tokens, settings["ref_fixed_timestep"]
+        blend = None
+        if mode == "extract" and num_ref_tokens > 0:  # a new cache, the reference rows' modulation
+            from diffusers.models.transformers.transformer_flux2 import Flux2KVCache
+
+            kv_cache = Flux2KVCache(len(self.transformer_blocks), len(self.single_transformer_blocks))
+            kv_cache.num_ref_tokens = num_ref_tokens
+            blend = _reference_blend(
+                self, hidden_states.shape[1], txt_tokens, num_ref_tokens, settings["ref_fixed_timestep"]
             )
             leading_rows += num_ref_tokens
+        cond = conditioning(
+            self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance, blend=blend
+        )
         double_kwargs, single_kwargs = _attention_kwargs(
             self, extra, kv_cache, mode, num_ref_tokens, txt_tokens
         )

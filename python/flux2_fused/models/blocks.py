@@ -229,6 +229,13 @@ class Conditioning:
     rope: Rope
 
 
+# Turns (scaled timestep, scaled guidance, image modulation, joint modulation) into the two
+# modulations the blocks use: a host's per-token blend (KV extraction's reference rows).
+Blend = Callable[
+    [torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
+
+
 def conditioning(
     model: nn.Module,
     hidden_states: torch.Tensor,
@@ -237,20 +244,27 @@ def conditioning(
     img_ids: torch.Tensor,
     txt_ids: torch.Tensor,
     guidance: torch.Tensor | None,
+    blend: Blend | None = None,
 ) -> Conditioning:
     """diffusers' preamble: timestep and guidance cast to the input dtype and x1000, the time
-    embedding, the modulations computed once, the input and context embedders, the RoPE tables."""
+    embedding, the modulations computed once (then `blend`, where diffusers computes it), the input
+    and context embedders, the RoPE tables; modules called in diffusers' order."""
     timestep = timestep.to(hidden_states.dtype) * 1000
     if guidance is not None:
         guidance = guidance.to(hidden_states.dtype) * 1000
     temb = model.time_guidance_embed(timestep, guidance)
+    mod_img = model.double_stream_modulation_img(temb)
+    mod_txt = model.double_stream_modulation_txt(temb)
+    mod_single = model.single_stream_modulation(temb)
+    if blend is not None:
+        mod_img, mod_single = blend(timestep, guidance, mod_img, mod_single)
     return Conditioning(
         timestep=timestep,
         guidance=guidance,
         temb=temb,
-        mod_img=model.double_stream_modulation_img(temb),
-        mod_txt=model.double_stream_modulation_txt(temb),
-        mod_single=model.single_stream_modulation(temb),
+        mod_img=mod_img,
+        mod_txt=mod_txt,
+        mod_single=mod_single,
         x=model.x_embedder(hidden_states),
         c=model.context_embedder(encoder_hidden_states),
         rope=joint_rope(model.pos_embed, img_ids, txt_ids, hidden_states.device),
