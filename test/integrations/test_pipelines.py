@@ -106,3 +106,33 @@ def test_klein_inpaint_pipeline_with_cfg(monkeypatch: pytest.MonkeyPatch) -> Non
         pipe, monkeypatch, **kwargs, strength=1.0, negative_prompt_embeds=negative, guidance_scale=4.0
     )
     assert calls == 2 * 2 * TINY.num_layers  # two steps, each with the prompt and the negative prompt
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["load-then-enable", "enable-then-load"])
+def test_pipeline_load_lora_weights_from_a_file(
+    before: bool, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A LoRA saved with the pipeline's `save_lora_weights` and loaded with `load_lora_weights`, the
+    patch enabled before or after: images equal to the pipeline alone, the adapter acting."""
+    peft = pytest.importorskip("peft")
+    from peft.utils import get_peft_model_state_dict
+
+    source = _pipeline(pipelines.Flux2KleinPipeline)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=4, init_lora_weights=False, target_modules=["to_q", "to_qkv_mlp_proj"]
+    )
+    source.transformer.add_adapter(config)
+    type(source).save_lora_weights(
+        tmp_path, transformer_lora_layers=get_peft_model_state_dict(source.transformer)
+    )
+
+    pipe = _pipeline(pipelines.Flux2KleinPipeline)
+    cfg = {"negative_prompt_embeds": torch.zeros(1, 12, TINY.joint_attention_dim), "guidance_scale": 4.0}
+    base = _run(pipe, **cfg)
+    handle = enable(pipe) if not before else None
+    pipe.load_lora_weights(tmp_path)
+    if handle is not None:
+        handle.disable()
+    assert _compare(pipe, monkeypatch, **cfg) > 0
+    assert not torch.equal(_run(pipe, **cfg), base)
