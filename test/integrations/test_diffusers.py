@@ -525,6 +525,19 @@ def test_group_offload_equals_diffusers(offload_type: str, routes: dict[str, int
         assert routes["double"] == TINY.num_layers  # blocks stay fused around the wrapped leaves
 
 
+def use_kv_processors(model: torch.nn.Module) -> None:
+    """diffusers' KV-cache processors on every block, as Flux2KleinKVPipeline sets them."""
+    from diffusers.models.transformers.transformer_flux2 import (
+        Flux2KVAttnProcessor,
+        Flux2KVParallelSelfAttnProcessor,
+    )
+
+    for block in model.transformer_blocks:
+        block.attn.set_processor(Flux2KVAttnProcessor())
+    for block in model.single_transformer_blocks:
+        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+
+
 def assert_same_kv_caches(ours: object, theirs: object) -> None:
     """Every layer's stored reference K and V equal, bit for bit."""
     pairs = zip(
@@ -541,16 +554,9 @@ def test_kv_cache_extract_then_cached_equals_diffusers(routes: dict[str, int]) -
     modulation at a fixed timestep, their K/V stored) then "cached" (the stored K/V injected): outputs
     and every stored K/V equal diffusers', with every block's attention in the block code (the fused
     q/k/v prologue handing diffusers' KV attention its q, k, v)."""
-    from diffusers.models.transformers.transformer_flux2 import (
-        Flux2KVAttnProcessor,
-        Flux2KVParallelSelfAttnProcessor,
-    )
 
     model = _model()
-    for block in model.transformer_blocks:
-        block.attn.set_processor(Flux2KVAttnProcessor())
-    for block in model.single_transformer_blocks:
-        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+    use_kv_processors(model)
     ref, img, txt = 9, 28, 11
     extract = _inputs(TINY, "cpu", torch.float32, img=ref + img, txt=txt)
     cached = {**_inputs(TINY, "cpu", torch.float32, img=img, txt=txt), "timestep": extract["timestep"]}
@@ -719,16 +725,9 @@ def test_kv_arguments_diffusers_drops_are_dropped() -> None:
     """A `num_txt_tokens` in `joint_attention_kwargs` reaches only the single blocks' KV processor
     (the double blocks' takes the text rows from its input), and a "cached" call without a cache
     raises as diffusers' does."""
-    from diffusers.models.transformers.transformer_flux2 import (
-        Flux2KVAttnProcessor,
-        Flux2KVParallelSelfAttnProcessor,
-    )
 
     model = _model()
-    for block in model.transformer_blocks:
-        block.attn.set_processor(Flux2KVAttnProcessor())
-    for block in model.single_transformer_blocks:
-        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+    use_kv_processors(model)
     inputs = _inputs(TINY, "cpu", torch.float32, img=37, txt=11)
     extract = {
         "kv_cache_mode": "extract",
@@ -752,17 +751,10 @@ def test_kv_arguments_diffusers_drops_are_dropped() -> None:
 def test_modules_are_called_in_diffusers_order(kv: bool) -> None:
     """Stateful wrappers (adapter dropout drawing random numbers, offload prefetch order) see the
     modules they wrap called in diffusers' order, KV extraction's reference modulation included."""
-    from diffusers.models.transformers.transformer_flux2 import (
-        Flux2KVAttnProcessor,
-        Flux2KVParallelSelfAttnProcessor,
-    )
 
     model = _model()
     if kv:
-        for block in model.transformer_blocks:
-            block.attn.set_processor(Flux2KVAttnProcessor())
-        for block in model.single_transformer_blocks:
-            block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+        use_kv_processors(model)
     order: list[str] = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) or name in ("pos_embed", "time_guidance_embed"):

@@ -20,7 +20,7 @@ from flux2_fused.bench import hosts
 from flux2_fused.integrations.diffusers import enable
 from flux2_fused.models.flux2 import Flux2Config
 
-from .test_diffusers import _fused_launches, _inputs, assert_same_kv_caches
+from .test_diffusers import _fused_launches, _inputs, assert_same_kv_caches, use_kv_processors
 
 pytestmark = pytest.mark.gpu
 diffusers = pytest.importorskip("diffusers")
@@ -310,15 +310,8 @@ def test_kv_editing_equals_diffusers_and_the_cached_calls_fully_fuse(
     """Flux2KleinKVPipeline's transformer calls on klein-4B: "extract" (reference rows among the image
     rows, their K/V stored; its per-token modulation keeps those norm sites eager) then "cached" (the
     stored K/V injected): outputs and stored K/V equal diffusers', and a cached call fuses every site."""
-    from diffusers.models.transformers.transformer_flux2 import (
-        Flux2KVAttnProcessor,
-        Flux2KVParallelSelfAttnProcessor,
-    )
 
-    for block in plain.transformer_blocks:
-        block.attn.set_processor(Flux2KVAttnProcessor())
-    for block in plain.single_transformer_blocks:
-        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+    use_kv_processors(plain)
     ref, img, txt = 256, 1024, 128
     extract = _inputs(CONFIG, "cuda", torch.bfloat16, img=ref + img, txt=txt)
     cached = {**_inputs(CONFIG, "cuda", torch.bfloat16, img=img, txt=txt), "timestep": extract["timestep"]}
