@@ -1,13 +1,16 @@
 """GPU matrix of `enable()` on diffusers' klein-4B (random weights, bf16, 1024 image + 128 text tokens,
-batch 2): CPU offloading, quantized linears, every attention backend this machine runs, LoRA adapters
-fused and unfused, and the inpainting pipeline. Each output equals diffusers' with the same setup and
-no patch, and our kernel launches are counted: where every site is expected to fuse, the count equals
-the plain model's (`test_klein_4b_fuses_on_diffusers_modules` checks that one against the sites);
-where hooks make some sites module calls, it is printed."""
+batch 2): moves, CPU offloading, quantized linears, every attention backend this machine runs, LoRA
+adapters fused and unfused, a LoRA training step (with and without gradient checkpointing), hooks,
+torch.compile of the patched model, KV editing, and the inpainting and Flux2 (input image) pipelines.
+Each output equals diffusers' with the same setup and no patch, and our kernel launches are counted:
+where every site is expected to fuse, the count equals the plain model's
+(`test_klein_4b_fuses_on_diffusers_modules` checks that one against the sites); where hooks make some
+sites module calls, it is printed."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 from collections.abc import Callable, Iterator
@@ -334,3 +337,109 @@ def test_kv_editing_equals_diffusers_and_the_cached_calls_fully_fuse(
     assert torch.equal(f_first.sample, e_first.sample) and torch.equal(f_second, e_second)
     assert_same_kv_caches(f_first.kv_cache, e_first.kv_cache)
     assert e_launches == 0 and f_launches == fully_fused
+
+
+# --------------------------------------------------------------------------- gradients, hooks, compile
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_lora_training_step_equals_diffusers(checkpointing: bool, inputs: dict) -> None:
+    """A LoRA fine-tuning step on klein-4B: where a gradient is needed the fused sites step aside (the
+    ops decline under autograd; with gradient checkpointing the call is diffusers' forward), so the
+    loss equals diffusers' and the adapter gradients match."""
+    peft = pytest.importorskip("peft")
+    model = _model()
+    with torch.random.fork_rng(devices=[CUDA]):
+        torch.manual_seed(0)
+        model.add_adapter(peft.LoraConfig(r=4, init_lora_weights=False, target_modules=["to_q", "linear_in"]))
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    model.train()
+    results = {}
+    for patched in (True, False):
+        handle = enable(model) if patched else None
+        model.zero_grad(set_to_none=True)
+        loss = model(**inputs).sample.float().square().mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results[patched] = (loss.detach(), grads)
+        if handle is not None:
+            handle.disable()
+    del model
+    _free()
+    assert torch.equal(results[True][0], results[False][0])
+    assert results[True][1].keys() == results[False][1].keys() and results[True][1]
+    for name, grad in results[True][1].items():
+        torch.testing.assert_close(grad, results[False][1][name])
+
+
+def test_hooks_on_blocks_and_submodules_equal_diffusers(inputs: dict, fully_fused: int) -> None:
+    """A forward hook on a single block and a pre-hook on a double block's feed-forward: those run as
+    diffusers' module calls (the hooks see real tensors), everything else fuses."""
+    seen: list[str] = []
+
+    def setup(model: nn.Module) -> None:
+        model.single_transformer_blocks[0].register_forward_hook(lambda m, a, o: seen.append("single"))
+        model.transformer_blocks[0].ff.register_forward_pre_hook(lambda m, a: seen.append("ff"))
+
+    launches = _patched_vs_diffusers(setup, inputs)
+    print(f"hooks on a single block and a feed-forward: {launches} fused launches of {fully_fused}")
+    assert "single" in seen and "ff" in seen and 0 < launches < fully_fused
+
+
+def test_torch_compile_of_the_patched_transformer_equals_diffusers(plain: nn.Module, inputs: dict) -> None:
+    """torch.compile(fullgraph=True) traces the patched forward with the fused sites as flux2_fused
+    operators; run by a backend that executes the traced graph as is, the output is diffusers'."""
+    graphs = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    handle = enable(plain)
+    torch.compiler.reset()
+    try:
+        with torch.inference_mode():
+            compiled = torch.compile(plain, fullgraph=True, backend=recording_backend)(**inputs).sample
+            handle.disable()
+            expected = plain(**inputs).sample
+    finally:
+        handle.disable()
+        torch.compiler.reset()
+    targets = {node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert torch.ops.flux2_fused.qk_norm_rope.default in targets
+    assert torch.ops.flux2_fused.gated_resnorm.default in targets
+    assert torch.equal(compiled, expected)
+
+
+def test_flux2_pipeline_with_an_input_image_equals_diffusers(fully_fused: int) -> None:
+    """Flux2Pipeline (guidance embedding) with an input image, whose latents join the image rows as
+    reference tokens with their own ids: images equal to the pipeline alone, every call fully fused."""
+    image_module = pytest.importorskip("PIL.Image")
+    config = dataclasses.replace(CONFIG, guidance_embeds=True)
+    model = hosts.diffusers_host(config, CUDA, torch.bfloat16, seed=5)
+    pipe = hosts.klein_pipeline(diffusers.Flux2Pipeline, model)
+    pixels = torch.randint(
+        0, 256, (512, 512, 3), generator=torch.Generator().manual_seed(5), dtype=torch.uint8
+    )
+    embeds = torch.randn(1, 128, CONFIG.joint_attention_dim, generator=torch.Generator().manual_seed(3))
+
+    def call() -> torch.Tensor:
+        return pipe(
+            prompt_embeds=embeds.to(CUDA, torch.bfloat16),
+            image=[image_module.fromarray(pixels.numpy())],
+            height=512,
+            width=512,
+            num_inference_steps=2,
+            guidance_scale=4.0,
+            generator=torch.Generator().manual_seed(0),
+            output_type="pt",
+        ).images
+
+    with torch.inference_mode():
+        expected = call()
+        handle = enable(pipe)
+        patched = call()
+        launches = _fused_launches(call)
+        handle.disable()
+    assert torch.equal(patched, expected) and launches == 2 * fully_fused
