@@ -103,6 +103,19 @@ def _patched_vs_diffusers(
 ORDERS = pytest.mark.parametrize("patch_first", [False, True], ids=["setup-then-enable", "enable-then-setup"])
 
 
+def _alone_then_enabled(
+    pipe: object, call: Callable[[], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A pipeline call's images alone, then with `enable(pipe)`, and our launches in one more call."""
+    with torch.inference_mode():
+        expected = call()
+        handle = enable(pipe)
+        patched = call()
+        launches = _fused_launches(call)
+        handle.disable()
+    return expected, patched, launches
+
+
 def _klein_pipeline(model: nn.Module) -> object:
     return hosts.klein_pipeline(diffusers.Flux2KleinPipeline, model)
 
@@ -294,12 +307,7 @@ def test_klein_inpaint_pipeline_equals_diffusers(fully_fused: int) -> None:
             output_type="pt",
         ).images
 
-    with torch.inference_mode():
-        expected = call()
-        handle = enable(pipe)
-        patched = call()
-        launches = _fused_launches(call)
-        handle.disable()
+    expected, patched, launches = _alone_then_enabled(pipe, call)
     assert torch.equal(patched, expected)
     assert launches == 3 * 2 * fully_fused  # strength 0.75 of 4 steps: 3 steps, two calls each (CFG)
 
@@ -436,10 +444,5 @@ def test_flux2_pipeline_with_an_input_image_equals_diffusers(fully_fused: int) -
             output_type="pt",
         ).images
 
-    with torch.inference_mode():
-        expected = call()
-        handle = enable(pipe)
-        patched = call()
-        launches = _fused_launches(call)
-        handle.disable()
+    expected, patched, launches = _alone_then_enabled(pipe, call)
     assert torch.equal(patched, expected) and launches == 2 * fully_fused
