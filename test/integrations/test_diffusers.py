@@ -368,28 +368,53 @@ def _diffusers_hook(model: torch.nn.Module, calls: list) -> None:
     HookRegistry.check_if_exists_or_initialize(model).register_hook(Counting(), "counting")
 
 
+def _replacing_hook(model: torch.nn.Module, calls: list) -> None:
+    """A hook in diffusers' registry with its own `new_forward` (as FasterCache's and SeaCache's on the
+    transformer): it decides whether to call the forward below, kept in `original_forward`."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class Replacing(ModelHook):
+        def new_forward(self, module, *args, **kwargs):
+            calls.append("replacing")
+            return self.fn_ref.original_forward(*args, **kwargs)
+
+    HookRegistry.check_if_exists_or_initialize(model).register_hook(Replacing(), "replacing")
+
+
+HOOKS = {
+    "accelerate and registry": ((_accelerate_hook, _diffusers_hook), ["accelerate", "diffusers"]),
+    "own new_forward": ((_replacing_hook,), ["replacing"]),
+}
+
+
+@pytest.mark.parametrize("hooks", HOOKS)
 @pytest.mark.parametrize("order", ["enable first", "hooks first"])
-def test_hooks_on_the_transformer_run_around_the_fused_forward(order: str, routes: dict[str, int]) -> None:
-    """accelerate's and diffusers' hooks wrap the transformer's forward and end in the class's forward:
-    `enable` puts the fused forward there, in either order, so the hooks run and every block fuses;
-    `disable` puts the class's forward back and leaves the hooks."""
+def test_hooks_on_the_transformer_run_around_the_fused_forward(
+    order: str, hooks: str, routes: dict[str, int]
+) -> None:
+    """accelerate's and diffusers' hooks wrap the transformer's forward and end in the class's forward
+    (or keep it in `original_forward`, for a hook with its own `new_forward`): `enable` puts the fused
+    forward there, in either order, so the hooks run and every block fuses; `disable` puts the class's
+    forward back and leaves the hooks."""
+    add_hooks, names = HOOKS[hooks]
     model = _model()
     calls: list[str] = []
     if order == "enable first":
         handle = enable(model)
-    _accelerate_hook(model, calls)
-    _diffusers_hook(model, calls)
+    for add in add_hooks:
+        add(model, calls)
     if order == "hooks first":
         handle = enable(model)
     inputs = _inputs(TINY, "cpu", torch.float32)
     with torch.inference_mode(), attention_backend("native"):
         patched = model(**inputs).sample
-        assert sorted(calls) == ["accelerate", "diffusers"]
+        assert sorted(calls) == names
         assert routes["double"] == TINY.num_layers and routes["single"] == TINY.num_single_layers
         handle.disable()
         expected = model(**inputs).sample
     assert torch.equal(patched, expected)
-    assert len(calls) == 4 and routes["double"] == TINY.num_layers  # hooks kept, blocks not fused
+    # hooks kept, blocks not fused, no fused forward left under the hooks
+    assert sorted(calls) == sorted(names * 2) and routes["double"] == TINY.num_layers
     assert not any(
         getattr(getattr(holder, name), "__func__", None) is integration._fused_forward
         for holder, name in integration._forward_slots(model)
@@ -653,41 +678,6 @@ def test_lora_scale_in_joint_attention_kwargs_equals_diffusers(routes: dict[str,
     assert not torch.equal(scaled, unscaled)
     assert routes["double"] == 2 * TINY.num_layers and routes["diffusers attention"] == 0
     assert routes["single"] == 2 * TINY.num_single_layers and routes["diffusers single attention"] == 0
-
-
-def _replacing_hook(model: torch.nn.Module, calls: list) -> None:
-    """A hook in diffusers' registry with its own `new_forward` (as FasterCache's and SeaCache's on the
-    transformer): it decides whether to call the forward below, kept in `original_forward`."""
-    from diffusers.hooks import HookRegistry, ModelHook
-
-    class Replacing(ModelHook):
-        def new_forward(self, module, *args, **kwargs):
-            calls.append("replacing")
-            return self.fn_ref.original_forward(*args, **kwargs)
-
-    HookRegistry.check_if_exists_or_initialize(model).register_hook(Replacing(), "replacing")
-
-
-@pytest.mark.parametrize("order", ["enable first", "hook first"])
-def test_a_hook_with_its_own_forward_runs_around_the_fused_forward(
-    order: str, routes: dict[str, int]
-) -> None:
-    model = _model()
-    calls: list[str] = []
-    if order == "enable first":
-        handle = enable(model)
-    _replacing_hook(model, calls)
-    if order == "hook first":
-        handle = enable(model)
-    inputs = _inputs(TINY, "cpu", torch.float32)
-    with torch.inference_mode(), attention_backend("native"):
-        patched = model(**inputs).sample
-        assert calls == ["replacing"] and routes["double"] == TINY.num_layers
-        handle.disable()
-        expected = model(**inputs).sample  # no fused forward left under the hook
-    assert (
-        torch.equal(patched, expected) and calls == ["replacing"] * 2 and routes["double"] == TINY.num_layers
-    )
 
 
 def test_enable_installs_again_after_the_fused_forward_was_replaced() -> None:
