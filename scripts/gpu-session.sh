@@ -7,7 +7,8 @@
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
 # pipeline-bench: a Flux2KleinPipeline call (klein-4b, 1024 px, 8 steps, CFG, VAE decode) alone vs enable().
 # parallel-bench (2+ GPUs): `bench --parallel` for each plan in PARALLEL_PLANS (default: ulysses=2 ring=2
-# tp=2) on PARALLEL_CONFIGS (default: klein-4b dev), one JSON each.
+# tp=2) on PARALLEL_CONFIGS (default: klein-4b dev), one JSON each, one log for all (the device
+# tool brings back at most 8 files).
 # Run from the repository root. .whl/ holds cp312 wheels of what the GPU image lacks (apache-tvm-ffi,
 # diffusers), downloaded with `pip download --only-binary=:all: --python-version 3.12 ...`.
 # The baseline-* steps run the same benchmark from .baseline/python (an earlier tree, e.g.
@@ -47,7 +48,7 @@ for step in "$@"; do
       for config in ${PARALLEL_CONFIGS:-klein-4b dev}; do
         for plan in ${PARALLEL_PLANS:-ulysses=2 ring=2 tp=2}; do
           python3 -m flux2_fused bench --parallel "$plan" --config "$config" --steps ${PARALLEL_STEPS:-10} \
-            --json "$OUT/parallel-$config-${plan//[=,]/-}.json" 2>&1 | grep -v -i warn | tee "$OUT/parallel-$config-${plan//[=,]/-}.log" || rc=1
+            --json "$OUT/parallel-$config-${plan//[=,]/-}.json" 2>&1 | grep -v -i warn | tee -a "$OUT/parallel.log" || rc=1
         done
       done ;;
     pytest:*) python3 -m pytest -q ${step#pytest:} 2>&1 | tee -a "$OUT/pytest.log" | tail -15 || rc=1 ;;

@@ -10,6 +10,7 @@ import torch
 
 from flux2_fused.bench import parallel
 from flux2_fused.bench.report import ParallelResult, format_parallel_table
+from flux2_fused.bench.step import breakdown_of
 from flux2_fused.errors import BadValue
 from flux2_fused.models.flux2 import Flux2Config
 
@@ -97,8 +98,12 @@ def test_table() -> None:
         max_abs_diff_from_single=0.0,
         diffusers_sha256="a",
         fused_sha256="a",
+        diffusers_profile=breakdown_of([("ampere_bf16_gemm", 1000.0), ("ncclDevKernel_SendRecv", 500.0)]),
+        fused_profile=breakdown_of([("gated_resnorm_kernel<4>", 250.0), ("ncclDevKernel_SendRecv", 500.0)]),
     )
     table = format_parallel_table(result, "2.11")
     assert "| ulysses=2 (2 GPUs) | 300.0 | 240.0 | 1.250x | 1.83x | 201 / 201 | yes |" in table
     assert "| 1 GPU | 540.0 | 440.0 | 1.227x | 1.00x | 201 | yes |" in table
     assert "bit-identical to one GPU" in table
+    assert "| diffusers | 2 | 1.00 (1) | 0.00 (0) | 0.00 (0) | 0.50 (1) | 0.00 (0) | 1.50 |" in table
+    assert "| fused | 2 | 0.00 (0) | 0.00 (0) | 0.25 (1) | 0.50 (1) | 0.00 (0) | 0.75 |" in table

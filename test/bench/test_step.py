@@ -134,12 +134,12 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     """The step, kernel and verify tables are printed only on a GPU: check them with made-up figures."""
     timing = Timing.of({False: [10.0, 12.0], True: [9.0, 11.0]})
     eager = Breakdown(
-        {"gemm": 6.5, "attention": 2.25, "fused": 0.0, "other": 1.75},
-        {"gemm": 500, "attention": 50, "fused": 0, "other": 706},
+        {"gemm": 6.5, "attention": 2.25, "fused": 0.0, "collective": 0.0, "other": 1.75},
+        {"gemm": 500, "attention": 50, "fused": 0, "collective": 0, "other": 706},
     )
     fused = Breakdown(
-        {"gemm": 6.5, "attention": 2.25, "fused": 0.5, "other": 0.75},
-        {"gemm": 500, "attention": 50, "fused": 41, "other": 461},
+        {"gemm": 6.5, "attention": 2.25, "fused": 0.5, "collective": 0.0, "other": 0.75},
+        {"gemm": 500, "attention": 50, "fused": 41, "collective": 0, "other": 461},
     )
     step = StepResult(
         "klein-4b", 1, 2, 4096, 512, timing, timing, 1256, 1052, 41, eager, fused, "a" * 64, "a" * 64, True
@@ -151,13 +151,15 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     assert _table_widths(timings) == {15}
     assert "| klein-4b | package | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% |" in timings
     assert "| klein-4b | diffusers (LoRA r16, model offload) | 1 | 4096+512 | synchronized |" in timings
-    assert _table_widths(breakdown) == {10}
+    assert _table_widths(breakdown) == {11}
     assert (
-        "| klein-4b | package | eager | 1256 | 6.50 (500) | 2.25 (50) | 0.00 (0) | 1.75 (706) | 10.50 |"
+        "| klein-4b | package | eager | 1256 | 6.50 (500) | 2.25 (50) | 0.00 (0) | 0.00 (0) | 1.75 (706) "
+        "| 10.50 |"
         in breakdown
     )
     assert (
-        "| klein-4b | package | fused | 1052 | 6.50 (500) | 2.25 (50) | 0.50 (41) | 0.75 (461) | 10.00 |"
+        "| klein-4b | package | fused | 1052 | 6.50 (500) | 2.25 (50) | 0.50 (41) | 0.00 (0) | 0.75 (461) "
+        "| 10.00 |"
         in breakdown
     )
     assert "| klein-4b | diffusers (LoRA r16, model offload) | fused | 1052 |" in breakdown

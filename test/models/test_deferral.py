@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from flux2_fused.models.deferral import Fusion, PendingConcat, PendingGatedResidual, materialize
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
@@ -160,3 +161,15 @@ def test_real_guards_decline_on_cpu():
     x, gate, update = torch.randn(1, 4, 8), torch.randn(1, 1, 8), torch.randn(1, 4, 8)
     assert isinstance(fusion.add(x, update, gate), torch.Tensor)
     assert gated_resnorm.defer_decline_reason(x, update, gate) is not None
+
+
+def test_a_tensor_parallel_update_reaches_the_fused_sites_waited(fused_cpu, monkeypatch):
+    """A row-wise tensor-parallel projection returns its all-reduced output as an
+    AsyncCollectiveTensor (no memory of its own until waited): the deferral holds the waited tensor,
+    so a kernel never reads the wrapper, and the stream equals eager's."""
+    seen = []
+    monkeypatch.setattr(gated_resnorm, "can_defer", lambda x, update, gate: seen.append(type(update)) or True)
+    x, gate, update = torch.randn(1, 4, 8), torch.randn(1, 1, 8), torch.randn(1, 4, 8)
+    pending = Fusion().add(x, AsyncCollectiveTensor(update.clone()), gate)
+    assert seen == [torch.Tensor] and type(pending.update) is torch.Tensor
+    assert torch.equal(materialize(pending), x + gate * update)

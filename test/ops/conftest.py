@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from flux2_fused.ops import runtime
+from flux2_fused.ops import runtime, verdicts
 
 
 class _CudaStandIn(torch.Tensor):
@@ -42,6 +42,13 @@ def as_cuda(t: torch.Tensor, index: int = 0) -> torch.Tensor:
 def misaligned(*shape: int, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> torch.Tensor:
     """A contiguous tensor whose data pointer sits one element past an aligned allocation."""
     return torch.zeros(math.prod(shape) + 1, dtype=dtype, device=device)[1:].view(shape)
+
+
+@pytest.fixture(autouse=True)
+def stand_ins_are_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guards take only plain tensors (a subclass's data_ptr need not be its values); a stand-in
+    shares its wrapped tensor's storage, so here it counts as one."""
+    monkeypatch.setattr(verdicts, "PLAIN_TYPES", (*verdicts.PLAIN_TYPES, _CudaStandIn))
 
 
 @pytest.fixture

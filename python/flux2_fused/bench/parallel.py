@@ -23,6 +23,7 @@ over fewer rows may round differently), and the fused kernels launched per rank.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import statistics
 import sys
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from ..errors import BadValue
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from . import hosts
-from .report import ParallelResult
+from .report import Breakdown, ParallelResult
 from .step import kernel_breakdown, tensor_sha256, time_pipelined
 
 DEGREES = ("ulysses", "ring", "tp")
@@ -131,11 +132,15 @@ def step_inputs(request: ParallelRequest, config: Flux2Config, device: torch.dev
 
 @dataclass
 class Measured:
-    """One setup's two modes on this rank: median step ms by mode, the outputs, fused launches."""
+    """One setup's two modes on this rank: median step ms, the outputs and one profiled step, by mode."""
 
     ms: dict[bool, float]
     outputs: dict[bool, torch.Tensor]
-    fused_launches: int
+    profiles: dict[bool, Breakdown]
+
+    @property
+    def fused_launches(self) -> int:
+        return self.profiles[True].launches["fused"]
 
 
 def measure(model: torch.nn.Module, inputs: dict, pairs: int) -> Measured:
@@ -150,9 +155,9 @@ def measure(model: torch.nn.Module, inputs: dict, pairs: int) -> Measured:
     with torch.inference_mode():
         outputs = {mode: run(mode) for mode in (False, True)}
         times = time_pipelined(run, pairs)
-        launches = kernel_breakdown(lambda: run(True)).launches["fused"]
+        profiles = {mode: kernel_breakdown(functools.partial(run, mode)) for mode in (False, True)}
     hosts.use_fused(model, False)
-    return Measured({mode: statistics.median(t) for mode, t in times.items()}, outputs, launches)
+    return Measured({mode: statistics.median(t) for mode, t in times.items()}, outputs, profiles)
 
 
 def _gathered(value: object) -> list:
@@ -215,6 +220,8 @@ def run_rank(request: ParallelRequest, plan: Plan, device: torch.device) -> Para
         ),
         diffusers_sha256=tensor_sha256(plain),
         fused_sha256=tensor_sha256(parallel.outputs[True]),
+        diffusers_profile=parallel.profiles[False],
+        fused_profile=parallel.profiles[True],
     )
 
 

@@ -20,7 +20,7 @@ from ..errors import BadValue
 MODES = ("eager", "fused")
 SITES = ("fused", "norm", "elementwise", "other")
 # The step benchmark's split of a step's CUDA kernels (bench/step.py's kernel_class names them).
-KERNEL_CLASSES = ("gemm", "attention", "fused", "other")
+KERNEL_CLASSES = ("gemm", "attention", "fused", "collective", "other")
 INACTIVE = "n/a (fast path inactive)"
 
 
@@ -246,10 +246,11 @@ class Timing:
 class Breakdown:
     """The CUDA kernels of one profiled step of one mode (torch.profiler), by kernel class: gemm
     (cuBLAS / CUTLASS matrix products), attention (SDPA: flash, cuDNN, memory-efficient), fused (this
-    package's kernels) and other (the remaining eager kernels: elementwise, norms, copies, ...). It
-    says where a step's GPU time goes, so a speedup can be set against the share the fused ops touch.
+    package's kernels), collective (NCCL, under a parallel plan) and other (the remaining eager
+    kernels: elementwise, norms, copies, ...). It says where a step's GPU time goes, so a speedup can
+    be set against the share the fused ops touch.
 
-    - kernel_ms: summed kernel time in ms by class (keys: gemm, attention, fused, other)
+    - kernel_ms: summed kernel time in ms by class (keys: KERNEL_CLASSES)
     - launches: kernel launches by the same classes
     """
 
@@ -323,7 +324,22 @@ class StepResult:
         return f"{self.host} ({', '.join(setup)})" if setup else self.host
 
 
-_CLASS_LABELS = {"gemm": "GEMM", "attention": "attention", "fused": "fused", "other": "other"}
+_CLASS_LABELS = {
+    "gemm": "GEMM",
+    "attention": "attention",
+    "fused": "fused",
+    "collective": "NCCL",
+    "other": "other",
+}
+
+
+def _breakdown_cells(b: Breakdown) -> list[str]:
+    """A breakdown's kernel ms (launches) by class, then the total kernel ms."""
+    return [f"{b.kernel_ms[c]:.2f} ({b.launches[c]})" for c in KERNEL_CLASSES] + [f"{b.total_ms:.2f}"]
+
+
+def _breakdown_headers() -> list[str]:
+    return [f"{_CLASS_LABELS[c]} ms (launches)" for c in KERNEL_CLASSES] + ["total kernel ms"]
 
 
 def format_step_table(results: Sequence[StepResult], device: str, torch_version: str) -> str:
@@ -379,13 +395,11 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
 def format_breakdown_table(results: Sequence[StepResult]) -> str:
     """Where each mode's step spends its kernel time: GEMM and attention, which the fused path leaves
     alone, against the fused kernels and the other eager kernels they replace."""
-    headers = ["config", "host", "mode", "kernels"]
-    headers += [f"{_CLASS_LABELS[c]} ms (launches)" for c in KERNEL_CLASSES] + ["total kernel ms"]
+    headers = ["config", "host", "mode", "kernels", *_breakdown_headers()]
     rows = []
     for r in results:
         for mode, b in (("eager", r.eager_profile), ("fused", r.fused_profile)):
-            cells = [f"{b.kernel_ms[c]:.2f} ({b.launches[c]})" for c in KERNEL_CLASSES]
-            rows.append([r.config, r.host_label, mode, b.total_launches, *cells, f"{b.total_ms:.2f}"])
+            rows.append([r.config, r.host_label, mode, b.total_launches, *_breakdown_cells(b)])
     note = "(kernel time of one profiled step by kernel class, torch.profiler; the total is their sum)"
     return f"{markdown_table(headers, rows)}\n{note}"
 
@@ -623,6 +637,9 @@ class ParallelResult:
     - max_abs_diff_from_single: the largest of those differences (NaN when the shapes differ)
     - diffusers_sha256: SHA-256 of diffusers' output under the plan
     - fused_sha256: SHA-256 of the fused output under the plan
+    - diffusers_profile: rank 0's kernels in one step under the plan, diffusers' forward (NCCL runs on
+      its own stream, so the total may overlap compute)
+    - fused_profile: the same with `enable()`
     """
 
     config: str
@@ -646,6 +663,8 @@ class ParallelResult:
     max_abs_diff_from_single: float
     diffusers_sha256: str
     fused_sha256: str
+    diffusers_profile: Breakdown
+    fused_profile: Breakdown
 
     @property
     def gain(self) -> float:
@@ -696,4 +715,11 @@ def format_parallel_table(result: ParallelResult, torch_version: str) -> str:
         f"{r.steps} pipelined pairs, "
         f"{r.device}, torch {torch_version}; diffusers' output under the plan: {single}"
     )
-    return title + "\n" + markdown_table(headers, rows)
+    profile = markdown_table(
+        ["rank 0 under the plan", "kernels", *_breakdown_headers()],
+        [
+            [mode, b.total_launches, *_breakdown_cells(b)]
+            for mode, b in (("diffusers", r.diffusers_profile), ("fused", r.fused_profile))
+        ],
+    )
+    return f"{title}\n{markdown_table(headers, rows)}\n\n{profile}"

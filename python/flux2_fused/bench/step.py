@@ -69,6 +69,7 @@ FUSED_KERNELS = ("gated_resnorm_kernel", "qk_norm_rope_kernel", "swiglu_kernel")
 # memory-efficient SDPA kernels are CUTLASS kernels ("fmha_cutlassF_...").
 _KERNEL_CLASS_PATTERNS = (
     ("fused", re.compile("|".join(map(re.escape, FUSED_KERNELS)))),
+    ("collective", re.compile(r"nccl", re.IGNORECASE)),
     ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.IGNORECASE)),
     # gemv: cuBLAS's matrix-vector kernels, which a linear over a single row (batch 1) may run.
     ("gemm", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas", re.IGNORECASE)),
@@ -81,7 +82,7 @@ def tensor_sha256(t: torch.Tensor) -> str:
 
 
 def kernel_class(name: str) -> str:
-    """The class of a CUDA kernel, by its name: gemm, attention, fused or other (report.KERNEL_CLASSES)."""
+    """The class of a CUDA kernel, by its name: one of report.KERNEL_CLASSES, else other."""
     return next((cls for cls, pattern in _KERNEL_CLASS_PATTERNS if pattern.search(name)), "other")
 
 

@@ -22,6 +22,11 @@ import torch
 from ..ops import gated_resnorm, qk_norm_rope, swiglu
 from ..ops.gated_resnorm import Segment
 
+try:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+except ImportError:  # a torch built without distributed
+    AsyncCollectiveTensor = None
+
 # `residual + gate * update`, not yet computed: the op's gated segment (residual and update [B, T, D]).
 PendingGatedResidual = Segment
 
@@ -102,6 +107,11 @@ class Fusion:
         reader, so such a site is always materialized.
         """
         x = materialize(x)
+        if AsyncCollectiveTensor is not None and type(update) is AsyncCollectiveTensor:
+            # A tensor-parallel row-wise projection's all-reduced output, before its wait: the value
+            # is what the wait gives (eager arithmetic waits on first use alike); the kernels read
+            # memory, so they get the waited tensor.
+            update = update.wait()
         if clip_fp16 and x.dtype == torch.float16:
             return (x + gate * update).clip(-65504.0, 65504.0)
         if self._traced() or (self._active() and gated_resnorm.can_defer(x, update, gate)):

@@ -5,8 +5,9 @@ must never be the reason a generation fails. Its answer has three parts:
 - metadata: what shapes, strides, dtypes and devices decide. Tensors with equal metadata get the
   same answer, so it is remembered (a bounded memo): at every fused site the guard then costs a
   key and a dict lookup instead of the full checks.
-- per call: what equal metadata does not decide, namely autograd (the kernels have no backward)
-  and data alignment (aten's vectorized kernels, and ours, move 8 bytes at a time).
+- per call: what equal metadata does not decide, namely tensor subclasses (a kernel reads only
+  plain tensors' memory), autograd (the kernels have no backward) and data alignment (aten's
+  vectorized kernels, and ours, move 8 bytes at a time).
 - runtime: the kill switch, the kernel build and the live self-check (`runtime.py`).
 The `reason` form runs every check without the memo and says why in words; the validated public
 ops raise TypeError for a `TypeReason` (types, dtypes, devices) and ValueError for the rest.
@@ -34,10 +35,20 @@ def raise_for(reason: Reason) -> None:
         raise (TypeError if isinstance(reason, TypeReason) else ValueError)(f"flux2-fused: {reason}")
 
 
+# The kernels read memory at data_ptr(), which is a tensor's values only for these types. A tensor
+# subclass may keep them elsewhere: an AsyncCollectiveTensor (tensor parallelism's all-reduced
+# output before its wait) or a DTensor reports data_ptr 0, and a kernel handed one would read
+# address 0; what other subclasses' operators mean is theirs to say. So every subclass declines.
+PLAIN_TYPES: tuple[type, ...] = (torch.Tensor, torch.nn.Parameter)
+
+
 def call_reason(names: Sequence[str], tensors: Sequence[torch.Tensor], align: int = ALIGN) -> Reason:
-    """The checks that tensors with equal metadata can still fail: autograd and data alignment."""
+    """The checks that tensors with equal metadata can still fail: tensor subclasses, autograd and
+    data alignment."""
     grad = torch.is_grad_enabled()
     for name, t in zip(names, tensors, strict=True):
+        if type(t) not in PLAIN_TYPES:
+            return TypeReason(f"{name} is a {type(t).__name__}; the kernel reads plain tensors only")
         if grad and t.requires_grad:
             return f"{name} requires grad and the fused kernel has no backward"
         if t.data_ptr() % align != 0:

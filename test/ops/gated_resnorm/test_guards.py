@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from flux2_fused.ops import DISABLE_ENV, gated_resnorm, jit, kill_switch, runtime, verdicts
 from flux2_fused.ops.gated_resnorm import (
@@ -249,6 +250,12 @@ CASES: dict[str, Case] = {
         lambda: inputs("gated", cuda=True, update=as_cuda(zeros(B, T, D).requires_grad_())),
         "update requires grad and the fused kernel has no backward",
         ValueError,
+    ),
+    "update not yet all-reduced": Case(  # tensor parallelism's row-wise output before its wait
+        "gated",
+        lambda: inputs("gated", cuda=True, update=AsyncCollectiveTensor(cuda_zeros(B, T, D))),
+        "update is a AsyncCollectiveTensor; the kernel reads plain tensors only",
+        TypeError,
     ),
     "residual misaligned": Case(
         "gated",
