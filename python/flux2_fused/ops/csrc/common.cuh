@@ -22,9 +22,8 @@ struct Elem<__nv_bfloat16> {
   static __device__ __forceinline__ uint32_t bits(Pair p) { return *reinterpret_cast<const uint32_t*>(&p); }
   static __device__ __forceinline__ float lo(Pair p) { return __uint_as_float(bits(p) << 16); }
   static __device__ __forceinline__ float hi(Pair p) { return __uint_as_float(bits(p) & 0xffff0000u); }
-  static __device__ __forceinline__ Pair pack(float a, float b) {
-    return __halves2bfloat162(__float2bfloat16_rn(a), __float2bfloat16_rn(b));
-  }
+  // Each element rounded to nearest even, as two __float2bfloat16_rn would, in one instruction.
+  static __device__ __forceinline__ Pair pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
   // v rounded to bf16, as a float again (what the next fp32 op of eager reads).
   static __device__ __forceinline__ float round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
   static __device__ __forceinline__ Pair add(Pair a, Pair b) { return __hadd2_rn(a, b); }
@@ -37,9 +36,7 @@ struct Elem<__half> {
   using Pair = __half2;
   static __device__ __forceinline__ float lo(Pair p) { return __low2float(p); }
   static __device__ __forceinline__ float hi(Pair p) { return __high2float(p); }
-  static __device__ __forceinline__ Pair pack(float a, float b) {
-    return __halves2half2(__float2half_rn(a), __float2half_rn(b));
-  }
+  static __device__ __forceinline__ Pair pack(float a, float b) { return __floats2half2_rn(a, b); }
   static __device__ __forceinline__ float round(float v) { return __half2float(__float2half_rn(v)); }
   static __device__ __forceinline__ Pair add(Pair a, Pair b) { return __hadd2_rn(a, b); }
   static __device__ __forceinline__ Pair mul(Pair a, Pair b) { return __hmul2_rn(a, b); }

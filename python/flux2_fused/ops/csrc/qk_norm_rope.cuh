@@ -4,7 +4,7 @@
 // Eager computes, per head row of 128 elements x of q or k (docs/numerics.md derives it):
 //   s   = sum of x_j^2, lane l of one warp owning x[4l..4l+3]: s = fma(x, x, s) in element order, then
 //         a shuffle-down tree over the 32 lanes (aten's vectorized_layer_norm_kernel in rms mode)
-//   r   = rsqrtf(RN(s / 128) + float(eps))
+//   r   = rsqrtf(RN(RN(s / 128) + float(eps)))   (s / 128 computed as RN(s * 2^-7): the same value)
 //   y_j = T(RN(g_j * RN(r * x_j)))                                 the RMSNorm output, rounded to T
 //   out = T(RN(RN(y_j * cos_j) + RN(rot_j * sin_j)))               RoPE: three fp32 aten ops, then .to(T)
 // with rot_2i = -y_2i+1, rot_2i+1 = y_2i. Every fp32 op is an explicit-rounding intrinsic; the module
@@ -152,16 +152,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
       }
       const float sum = __shfl_sync(kAll, __fadd_rn(s0, s1), 0, 16);
       if (h >= p.heads) continue;
-      const float rstd = rsqrtf(__fadd_rn(__fdiv_rn(sum, float(kHeadDim)), p.eps));
+      // aten divides by 128; a product with 2^-7 is the same exact value, so it rounds alike
+      // (subnormal results included), in one instruction instead of a division's sequence.
+      const float rstd = rsqrtf(__fadd_rn(__fmul_rn(sum, 1.0f / kHeadDim), p.eps));
       // RMSNorm output rounded to T, then RoPE on the rounded values.
       // q's or k's weight, word by word (selecting a whole struct would put it on the stack).
       const bool is_q = t == 0;
       const uint4 graw =
           make_uint4(is_q ? gq.x : gk.x, is_q ? gq.y : gk.y, is_q ? gq.z : gk.z, is_q ? gq.w : gk.w);
       const Oct<T> gv = *reinterpret_cast<const Oct<T>*>(&graw);
+      // Rounded to T two at a time (one packed conversion), then read back as floats.
       float y[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) y[i] = Elem<T>::round(__fmul_rn(gv.get(i), __fmul_rn(rstd, x[i])));
+      for (int i = 0; i < 8; i += 2) {
+        const auto pair = Elem<T>::pack(__fmul_rn(gv.get(i), __fmul_rn(rstd, x[i])),
+                                        __fmul_rn(gv.get(i + 1), __fmul_rn(rstd, x[i + 1])));
+        y[i] = Elem<T>::lo(pair);
+        y[i + 1] = Elem<T>::hi(pair);
+      }
       Oct<T> result;
 #pragma unroll
       for (int i = 0; i < 8; i += 2) {
