@@ -154,13 +154,11 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     assert _table_widths(breakdown) == {11}
     assert (
         "| klein-4b | package | eager | 1256 | 6.50 (500) | 2.25 (50) | 0.00 (0) | 0.00 (0) | 1.75 (706) "
-        "| 10.50 |"
-        in breakdown
+        "| 10.50 |" in breakdown
     )
     assert (
         "| klein-4b | package | fused | 1052 | 6.50 (500) | 2.25 (50) | 0.50 (41) | 0.00 (0) | 0.75 (461) "
-        "| 10.00 |"
-        in breakdown
+        "| 10.00 |" in breakdown
     )
     assert "| klein-4b | diffusers (LoRA r16, model offload) | fused | 1052 |" in breakdown
     assert "diffusers' own forward" not in format_step_table([step], "NVIDIA H200", "2.11.0")
