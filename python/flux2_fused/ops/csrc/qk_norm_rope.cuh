@@ -32,10 +32,13 @@ namespace qk_norm_rope {
 constexpr int kHeadDim = 128;
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRowsInFlight = 6;  // units (row pairs) a warp loads before it computes
-// Five blocks an SM: the register cap (96) that ptxas meets without spilling at six units in flight,
-// i.e. 5 x 4 warps x 6 units x 512 bytes = 60 KB of loads in flight an SM.
-constexpr int kMinBlocks = 5;
+constexpr int kRowsInFlight = 3;  // units (row pairs) a warp loads before it computes
+// Seven blocks an SM: the register cap (72) that ptxas meets without spilling at three units in
+// flight, i.e. 7 x 4 warps x 3 units x 512 bytes = 42 KB of loads in flight an SM. At klein's and
+// dev's sizes this beat (6 units, 5 blocks), (4, 6), (3, 6), (2, 8) and, spilling, (3, 8) and
+// (2, 9) on the H200: more warps hide the latency better than more bytes a warp. Three also divides
+// every FLUX.2 block's units a warp (klein 6 and 9, dev 12 and 18), so no round runs part-empty.
+constexpr int kMinBlocks = 7;
 constexpr int kTensors = 3;       // q, k, v
 constexpr int kV = 2;             // v's index: rows copied, not normalized
 
@@ -123,6 +126,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
       if (unit < units && h < p.heads) {
         const T* src = t == 0 ? src_q : (t == 1 ? src_k : src_v);
         xs[u] = load_oct<T>(src + int64_t(h) * kHeadDim);
+      } else {  // a head past the end (H odd) takes part in the shuffles as zeros
+        xs[u] = Oct<T>{};
       }
     }
 #pragma unroll
@@ -138,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
       }
       float x[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = h < p.heads ? xs[u].get(i) : 0.0f;
+      for (int i = 0; i < 8; ++i) x[i] = xs[u].get(i);
       // aten's threads 2 lane and 2 lane + 1: sums of squares in element order (fma, as compiled).
       float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
