@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from flux2_fused.integrations import diffusers as integration
 from flux2_fused.integrations.diffusers import enable
@@ -190,12 +191,25 @@ def _to_float64(model: torch.nn.Module) -> None:
     model.to(torch.float64)
 
 
+def _row_wise_outputs_wait_later(model: torch.nn.Module) -> None:
+    """Tensor parallelism's row-wise projections return their all-reduced output as an
+    AsyncCollectiveTensor (waited on first use): the same here, on every such projection."""
+    rows = [m.attn.to_out[0] for m in model.transformer_blocks] + [
+        m.attn.to_add_out for m in model.transformer_blocks
+    ]
+    rows += [ff.linear_out for m in model.transformer_blocks for ff in (m.ff, m.ff_context)]
+    rows += [m.attn.to_out for m in model.single_transformer_blocks]
+    for linear in rows:
+        linear.register_forward_hook(lambda module, args, out: AsyncCollectiveTensor(out))
+
+
 CHANGES = {
     "adapter-like wrapper": _wrap_a_linear,
     "weight storage replaced": _scale_a_weight,
     "weight updated in place": _scale_in_place,
     "load_state_dict(assign=True)": _assign_state_dict,
     "dtype move": _to_float64,
+    "row-wise outputs waited later": _row_wise_outputs_wait_later,
 }
 
 
