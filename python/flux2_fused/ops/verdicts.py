@@ -37,8 +37,9 @@ def raise_for(reason: Reason) -> None:
 
 # The kernels read memory at data_ptr(), which is a tensor's values only for these types. A tensor
 # subclass may keep them elsewhere: an AsyncCollectiveTensor (tensor parallelism's all-reduced
-# output before its wait) or a DTensor reports data_ptr 0, and a kernel handed one would read
-# address 0; what other subclasses' operators mean is theirs to say. So every subclass declines.
+# output before its wait) reports data_ptr 0, and a kernel handed one read address 0; a DTensor
+# holds only its local shard; what other subclasses' operators mean is theirs to say. So every
+# subclass declines.
 PLAIN_TYPES: tuple[type, ...] = (torch.Tensor, torch.nn.Parameter)
 
 
