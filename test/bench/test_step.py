@@ -170,10 +170,25 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     assert "| klein-4b | 1024x1024 | 8 | 4.0 | 11.0 | 10.0 | +10.0% | +1.0 +- 0.0 | 2/2 | NO |" in table
     assert "| bbbbbbbbbbbb / cccccccccccc |" in table
     row = KernelRow(
-        "gated_resnorm", 3072, 4096, 1, 184.0, 135.1, None, 80.0, 28.3, 23.8, 84.1, 2.3, 4.77, True
+        "gated_resnorm",
+        3072,
+        4096,
+        1,
+        184.0,
+        135.1,
+        None,
+        80.0,
+        28.3,
+        23.8,
+        84.1,
+        25.5,
+        90.1,
+        2.3,
+        4.77,
+        True,
     )
     table = format_kernel_table(KernelReport("NVIDIA H200", "2.11.0", 4230.0, [row]))
-    assert _table_widths(table) == {15} and "| gated_resnorm | 3072 | 4096 | 1 | 184.0 | 135.1 | - |" in table
+    assert _table_widths(table) == {17} and "| gated_resnorm | 3072 | 4096 | 1 | 184.0 | 135.1 | - |" in table
     table = format_verify(
         [VerifyRow("gated_resnorm", "D=3072 bf16", False, "bit 3 differs", 0.1)], "H200", "2.11"
     )

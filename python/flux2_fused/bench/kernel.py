@@ -19,8 +19,11 @@ Sites (`--op`):
 For each shape: the eager chain, the eager chain replayed from a CUDA graph, torch.compile of the
 chain (not bit-exact; for reference), and the fused version, plain and in a CUDA graph. Medians in
 us, variants interleaved; "graph" columns are per call, from a graph of 20 calls (GPU time without
-launch gaps); the copy bandwidth is measured in the same run. Inputs rotate over enough sets to
-exceed the L2 cache, so small shapes are not timed out of cache.
+launch gaps). Two floors, both measured in the same run: the site's bytes at the bandwidth of a 2 GiB
+copy (`% copy BW`: a stream with no start or end, which no kernel of the site's size reaches), and one
+copy of the site's bytes timed like the fused kernel (`% copy`: the same ramp and tail, the floor a
+kernel of this size can reach). Inputs (and the copy's buffers) rotate over enough sets to exceed the
+L2 cache, so small shapes are not timed out of cache.
 """
 
 from __future__ import annotations
@@ -173,6 +176,17 @@ def _rotating(fn, sets):
     return call
 
 
+def _same_bytes_copy(floor_bytes: int) -> Callable[[], object]:
+    """A device copy that reads and writes `floor_bytes` in all, rotating over buffers like the
+    inputs (so it is not timed out of the L2 cache): the floor as one kernel of the site's size."""
+
+    def make() -> tuple:
+        src = torch.empty(floor_bytes // 2, dtype=torch.uint8, device="cuda").random_()
+        return src, torch.empty_like(src)
+
+    return _rotating(lambda src, dst: dst.copy_(src), _sets(make, floor_bytes))
+
+
 def bench_case(op: str, case: Case, tokens: int, batch: int, copy_gbs: float, compiled) -> KernelRow:
     """Time one case: eager and fused, plain and in CUDA graphs, and torch.compile of the eager chain."""
     exact = all(
@@ -186,12 +200,13 @@ def bench_case(op: str, case: Case, tokens: int, batch: int, copy_gbs: float, co
         graphed(_rotating(case.eager, case.sets), GRAPH_REPEATS),
         _rotating(case.fused, case.sets),
         graphed(_rotating(case.fused, case.sets), GRAPH_REPEATS),
+        graphed(_same_bytes_copy(case.floor_bytes), GRAPH_REPEATS),
     ]
     if compiled is not None:
         fns.append(_rotating(compiled, case.sets))
     times = interleaved_median_us(fns)
-    times[1] /= GRAPH_REPEATS
-    times[3] /= GRAPH_REPEATS
+    for graph in (1, 3, 4):
+        times[graph] /= GRAPH_REPEATS
     floor_us = case.floor_bytes / (copy_gbs * 1e3)
     return KernelRow(
         op=op,
@@ -200,11 +215,13 @@ def bench_case(op: str, case: Case, tokens: int, batch: int, copy_gbs: float, co
         batch=batch,
         eager_us=times[0],
         eager_graph_us=times[1],
-        compile_us=times[4] if compiled is not None else None,
+        compile_us=times[5] if compiled is not None else None,
         fused_us=times[2],
         fused_graph_us=times[3],
         floor_us=floor_us,
         pct_of_copy_bw=100 * floor_us / times[3],
+        copy_graph_us=times[4],
+        pct_of_copy=100 * times[4] / times[3],
         speedup_vs_eager=times[0] / times[2],
         speedup_vs_graph=times[1] / times[3],
         bit_exact=exact,
@@ -249,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append(bench_case(case.label or args.op, case, tokens, args.batch, copy_gbs, compiled))
         print(
             f"{args.op} {item}: fused {rows[-1].fused_graph_us:.1f} us in a graph "
-            f"({rows[-1].pct_of_copy_bw:.0f}% of copy BW)",
+            f"({rows[-1].pct_of_copy_bw:.0f}% of copy BW, {rows[-1].pct_of_copy:.0f}% of a copy of its "
+            "bytes)",
             file=sys.stderr,
         )
     report = KernelReport(

@@ -498,9 +498,12 @@ class KernelRow:
     - compile_us: torch.compile of the chain (not bit-exact), null with --no-compile
     - fused_us: the fused kernel, plain calls
     - fused_graph_us: the fused kernel per call in a CUDA graph
-    - floor_us: the copy-bandwidth floor: the bytes the site must read and write, at the measured copy
-      bandwidth
+    - floor_us: the copy-bandwidth floor: the bytes the site must read and write, at the copy
+      bandwidth of a 2 GiB copy measured in the same run (a stream with no start or end)
     - pct_of_copy_bw: 100 * floor_us / fused_graph_us
+    - copy_graph_us: one device copy moving those same bytes (read plus written), per call in a CUDA
+      graph of 20, timed with the variants: a kernel of the site's size, with its ramp and tail
+    - pct_of_copy: 100 * copy_graph_us / fused_graph_us
     - speedup_vs_eager: eager_us / fused_us
     - speedup_vs_graph: eager_graph_us / fused_graph_us
     - bit_exact: the fused outputs equal the eager chain's bit for bit
@@ -517,6 +520,8 @@ class KernelRow:
     fused_graph_us: float
     floor_us: float
     pct_of_copy_bw: float
+    copy_graph_us: float
+    pct_of_copy: float
     speedup_vs_eager: float
     speedup_vs_graph: float
     bit_exact: bool
@@ -552,6 +557,8 @@ def format_kernel_table(report: KernelReport) -> str:
         "fused graph us",
         "floor us",
         "% copy BW",
+        "copy graph us",
+        "% copy",
         "x eager",
         "x graph",
         "exact",
@@ -569,6 +576,8 @@ def format_kernel_table(report: KernelReport) -> str:
             f"{r.fused_graph_us:.1f}",
             f"{r.floor_us:.1f}",
             f"{r.pct_of_copy_bw:.1f}",
+            f"{r.copy_graph_us:.1f}",
+            f"{r.pct_of_copy:.1f}",
             f"{r.speedup_vs_eager:.2f}",
             f"{r.speedup_vs_graph:.2f}",
             _yes(r.bit_exact),

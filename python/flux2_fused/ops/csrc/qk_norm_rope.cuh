@@ -11,7 +11,7 @@
 // is built without --use_fast_math (IEEE division, rsqrtf as aten calls it, no flush-to-zero). v's rows
 // are copied unchanged (torch.cat moves bits).
 //
-// One block of 128 threads handles one token: q's, k's (and v's) head rows of that token, with the
+// One block of 64 threads handles one token: q's, k's (and v's) head rows of that token, with the
 // token's cos/sin row loaded once into registers for q and k together. A head row is 256 bytes, so
 // half a warp covers it with one 16-byte load a lane: lane m of a half owns elements 8m..8m+7, i.e.
 // aten's threads 2m and 2m+1, and keeps their two partial sums apart, so aten's shuffle tree (offsets
@@ -19,7 +19,7 @@
 // and its last step (offset 1) the sum of the two. The unit of work of a warp is a pair of head rows
 // of one tensor (its halves take heads 2i and 2i+1), so which tensor a warp works on, and whether it
 // runs the norm's shuffles, is uniform across the warp; the token's units (q's pairs, then k's, then
-// v's) are dealt to the four warps in turn, kRowsInFlight of them loaded before any is computed. Each
+// v's) are dealt to the two warps in turn, kRowsInFlight of them loaded before any is computed. Each
 // output is a contiguous [B, S, H, 128] tensor; its rows come from up to two input segments (text,
 // then image rows of a double block), each with its own strides and (q, k) RMSNorm weight.
 #pragma once
@@ -30,15 +30,19 @@ namespace flux2_fused {
 namespace qk_norm_rope {
 
 constexpr int kHeadDim = 128;
-constexpr int kThreads = 128;
+constexpr int kThreads = 64;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRowsInFlight = 3;  // units (row pairs) a warp loads before it computes
-// Seven blocks an SM: the register cap (72) that ptxas meets without spilling at three units in
-// flight, i.e. 7 x 4 warps x 3 units x 512 bytes = 42 KB of loads in flight an SM. At klein's and
-// dev's sizes this beat (6 units, 5 blocks), (4, 6), (3, 6), (2, 8) and, spilling, (3, 8) and
-// (2, 9) on the H200: more warps hide the latency better than more bytes a warp. Three also divides
-// every FLUX.2 block's units a warp (klein 6 and 9, dev 12 and 18), so no round runs part-empty.
-constexpr int kMinBlocks = 7;
+constexpr int kRowsInFlight = 4;  // units (row pairs) a warp loads before it computes
+// Twelve blocks of two warps an SM: the register cap (80) that ptxas meets without spilling at four
+// units in flight, i.e. 12 x 2 warps x 4 units x 512 bytes = 48 KB of loads in flight an SM, and
+// each warp takes half the token (klein's single block: 12 units, three rounds), so the token's
+// fixed work (its index, tables and weights) is done by two warps instead of four. On the H200 this
+// beat four warps a block at (3 units, 7 blocks) by 2% at klein's single block and matched it
+// elsewhere; (3, 7) itself beat (6, 5), (4, 6), (3, 6), (2, 8) and, spilling, (3, 8) and (2, 9).
+// Staging the token in shared memory (cp.async, or TMA bulk copies, also double-buffered across
+// tokens by persistent blocks) was 3-12% slower: the loads go out no faster, and the block waits
+// for all of them before it computes any.
+constexpr int kMinBlocks = 12;
 constexpr int kTensors = 3;       // q, k, v
 constexpr int kV = 2;             // v's index: rows copied, not normalized
 
