@@ -1,4 +1,4 @@
-"""Kernel benchmark: one fused site, eager vs fused, as % of the copy-bandwidth floor.
+"""Kernel benchmark: one fused site, eager vs fused, as % of two copy floors.
 
     flux2-fused kernel [--op OP] [--shapes AxT ...] [--no-compile] [--json FILE]
     (also python -m flux2_fused.bench.kernel)
