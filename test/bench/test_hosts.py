@@ -11,24 +11,14 @@ import torch
 
 from flux2_fused.bench import hosts
 from flux2_fused.bench.pipeline import klein_call
-from flux2_fused.integrations import diffusers as integration
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 
-from ..models.test_flux2 import make_inputs
+from ..models.flux2.test_model import make_inputs
 
 diffusers = pytest.importorskip("diffusers")
 
 TINY = Flux2Config.preset("tiny")
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def double_blocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """One entry each time the patched loop runs a double block through the package's block code."""
-    calls: list[int] = []
-    real = integration.double_block
-    monkeypatch.setattr(integration, "double_block", lambda *a, **k: calls.append(1) or real(*a, **k))
-    return calls
 
 
 def test_diffusers_model_shares_the_package_models_weights() -> None:

@@ -12,10 +12,10 @@ import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from flux2_fused.models.deferral import Fusion, PendingConcat, PendingGatedResidual, materialize
-from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
+from flux2_fused.models.flux2 import HOST, Flux2Config, Flux2Transformer, blocks
 from flux2_fused.ops import gated_resnorm
 
-from .test_flux2 import TINY, image_ids, text_ids
+from .flux2.test_model import TINY, image_ids, text_ids
 
 
 def make_inputs(config: Flux2Config, batch: int, img_tokens: int, txt_tokens: int) -> dict:
@@ -121,9 +121,9 @@ def test_block_public_forward_returns_tensors(fused_cpu):
     x, c = torch.randn(1, 8, TINY.inner_dim), torch.randn(1, 3, TINY.inner_dim)
     mod = torch.randn(1, 6 * TINY.inner_dim)
     rope = model.rope(torch.zeros(8, 4), torch.zeros(3, 4), x.device)
-    x_out, c_out = block(x, c, mod, mod, rope)
+    c_out, x_out = block(x, c, mod, mod, rope)  # diffusers' order: text, then image
     assert isinstance(x_out, torch.Tensor) and isinstance(c_out, torch.Tensor)
-    x_p, c_p = block.forward_streams(x, c, mod, mod, rope)
+    x_p, c_p = blocks.double_block_body(block, HOST, model.fusion, x, c, mod, mod, rope)
     assert isinstance(x_p, PendingGatedResidual)
     assert torch.equal(materialize(x_p), x_out) and torch.equal(materialize(c_p), c_out)
 
@@ -168,7 +168,9 @@ def test_a_tensor_parallel_update_reaches_the_fused_sites_waited(fused_cpu, monk
     AsyncCollectiveTensor (no memory of its own until waited): the deferral holds the waited tensor,
     so a kernel never reads the wrapper, and the stream equals eager's."""
     seen = []
-    monkeypatch.setattr(gated_resnorm, "can_defer", lambda x, update, gate: seen.append(type(update)) or True)
+    monkeypatch.setattr(
+        gated_resnorm.guards, "defer", lambda x, update, gate: seen.append(type(update)) or True
+    )
     x, gate, update = torch.randn(1, 4, 8), torch.randn(1, 1, 8), torch.randn(1, 4, 8)
     pending = Fusion().add(x, AsyncCollectiveTensor(update.clone()), gate)
     assert seen == [torch.Tensor] and type(pending.update) is torch.Tensor

@@ -11,7 +11,7 @@ from flux2_fused.bench.hosts import diffusers_model
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 from flux2_fused.ops import gated_resnorm
 
-from .test_flux2 import TINY, image_ids, text_ids
+from .flux2.test_model import TINY, image_ids, text_ids
 
 pytestmark = pytest.mark.gpu
 attention_backend = pytest.importorskip("diffusers.models.attention_dispatch").attention_backend

@@ -10,7 +10,7 @@ new op plugs in.
 
 from . import gated_resnorm, qk_norm_rope, swiglu
 from .bits import bits_equal, random_bits
-from .runtime import DISABLE_ENV, FusedOp, kill_switch, self_check_records
+from .runtime import DISABLE_ENV, FusedOp, fast_path_reason, kill_switch, self_check_records
 
 # Every op with a kernel: `flux2-fused build` compiles their specs, `flux2-fused verify` runs their
 # self-checks.
@@ -21,6 +21,7 @@ __all__ = [
     "OPS",
     "FusedOp",
     "bits_equal",
+    "fast_path_reason",
     "gated_resnorm",
     "kill_switch",
     "qk_norm_rope",

@@ -43,6 +43,8 @@ CUDA_FLAGS = ("-std=c++17", "-lineinfo")
 CACHE_ENV = "FLUX2_FUSED_CACHE_DIR"
 # Where a toolkit usually lives when neither $CUDA_HOME nor $CUDA_PATH says; searched before PATH.
 DEFAULT_CUDA_HOMES = ("/usr/local/cuda",)
+# The kernels use sm_80 instructions (packed bf16 pair math): compute capability 8.0 or newer.
+MIN_CAPABILITY = (8, 0)
 
 # Serializes builds within the process (the file lock serializes them across processes) and guards
 # the fallback folders below.
@@ -289,6 +291,27 @@ def is_cached(spec: KernelSpec, archs: Sequence[str], cache_dir: Path | None = N
     return lib is not None and _is_valid(lib)
 
 
+def arch_reason(arch: str) -> str | None:
+    """Why the kernels cannot run on (or be built for) this 'M.m' architecture, None when they can."""
+    major, minor = normalize_arch(arch).removesuffix("a").split(".")
+    if (int(major), int(minor)) >= MIN_CAPABILITY:
+        return None
+    need = ".".join(map(str, MIN_CAPABILITY))
+    return f"compute capability {arch} is older than the kernels' minimum {need} (sm_{need.replace('.', '')})"
+
+
+def toolchain_reason() -> str | None:
+    """Why no kernel can be built or loaded here (tvm-ffi missing, no nvcc), None when one can."""
+    try:
+        import tvm_ffi.cpp  # noqa: F401
+    except ImportError as exc:
+        return f"apache-tvm-ffi is not installed or not importable ({exc})"
+    if find_nvcc() is None:
+        searched = ", ".join(["$CUDA_HOME", "$CUDA_PATH", *DEFAULT_CUDA_HOMES])
+        return f"nvcc not found: no CUDA toolkit in {searched} or on PATH (install one or set CUDA_HOME)"
+    return None
+
+
 def build(spec: KernelSpec, archs: Sequence[str], cache_dir: Path | None = None) -> Path:
     """Compile `spec` for `archs` (e.g. ['9.0', '10.0']) unless cached; return the library path.
 
@@ -298,17 +321,12 @@ def build(spec: KernelSpec, archs: Sequence[str], cache_dir: Path | None = None)
     archs = sorted({normalize_arch(a) for a in archs})
     if not archs:
         raise BuildError("no CUDA architecture given")
-    # Checked first: without tvm-ffi nothing can be built or loaded, whatever else is installed.
-    try:
-        import tvm_ffi.cpp  # noqa: F401
-    except ImportError as exc:
-        raise BuildError(f"apache-tvm-ffi is not installed or not importable ({exc})") from exc
+    # Checked first: without tvm-ffi or nvcc nothing can be built, whatever else is installed.
+    reason = toolchain_reason()
+    if reason is not None:
+        raise BuildError(reason)
     nvcc = find_nvcc()
-    if nvcc is None:
-        searched = ", ".join(["$CUDA_HOME", "$CUDA_PATH", *DEFAULT_CUDA_HOMES])
-        raise BuildError(
-            f"nvcc not found: no CUDA toolkit in {searched} or on PATH (install one or set CUDA_HOME)"
-        )
+    assert nvcc is not None
     try:
         key = cache_key(spec, archs, nvcc)
     except OSError as exc:
@@ -395,5 +413,9 @@ def module_for(spec: KernelSpec, device: Any) -> Any:
     """`load_module(spec, device's architecture)`: the per-launch lookup, two dict hits when loaded."""
     arch = _device_arch.get(device)
     if arch is None:
-        arch = _device_arch[device] = device_arch(device)
+        arch = device_arch(device)
+        reason = arch_reason(arch)
+        if reason is not None:  # nothing to build for it: nvcc would fail on the sm_80 instructions
+            raise BuildError(reason)
+        _device_arch[device] = arch
     return load_module(spec, arch)

@@ -24,12 +24,38 @@ from . import jit
 
 DISABLE_ENV = "FLUX2_FUSED_DISABLE"
 _TRUE_VALUES = ("1", "true", "yes", "on")
+MIN_CAPABILITY = jit.MIN_CAPABILITY
+# What every op's kernel computes in; the ops' guards take these and nothing else.
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def kill_switch() -> bool:
     """True when the environment variable FLUX2_FUSED_DISABLE turns every fused op off."""
     value = os.environ.get(DISABLE_ENV)
     return value is not None and value.strip().lower() in _TRUE_VALUES
+
+
+def fast_path_reason(device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:
+    """Why no fused op can run on `device` (in `dtype`, when given), in one line; None when they may.
+
+    The one answer to "is the fast path on here" for the CLI, the benchmarks and the docs:
+    a CUDA device of compute capability 8.0 or newer, bf16 or fp16, the kill switch unset, and a
+    kernel to run (apache-tvm-ffi importable, and nvcc to build or key the cached library). The
+    ops may still decline single calls (shapes, strides, autograd, ...), each with its own reason.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the fused ops run on CUDA GPUs, not on {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is available"
+    reason = jit.arch_reason(jit.device_arch(device))
+    if reason is not None:
+        return f"{torch.cuda.get_device_name(device)}: {reason}"
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        return f"the kernels compute in bf16 and fp16, not {str(dtype).removeprefix('torch.')}"
+    if kill_switch():
+        return f"disabled by {DISABLE_ENV}"
+    return jit.toolchain_reason()
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from flux2_fused.ops.gated_resnorm import (
 )
 from flux2_fused.ops.verdicts import TypeReason
 
+from .. import test_runtime
 from ..conftest import as_cuda, misaligned, reason_templates, untested
 from .conftest import GUARDS, check_guard, flux2_inputs
 
@@ -564,7 +565,7 @@ def test_guards_never_raise_even_when_checking_does(kind: str, monkeypatch: pyte
 
 def test_every_decline_reason_in_the_module_has_a_case() -> None:
     produced = [case.reason for case in CASES.values()] + [reason for _, reason, _ in RUNTIME_CASES.values()]
-    produced += list(ROWS_CASES.values())
+    produced += list(ROWS_CASES.values()) + test_runtime.REASONS
     templates = reason_templates(gated_resnorm, guards, verdicts, runtime)
     assert len(templates) >= 15  # the walk found the reasons at all
     missing = untested(templates, produced)

@@ -1,12 +1,14 @@
 """gated_resnorm: `x = residual + gate * update`, then `(1 + scale) * layer_norm(x) + shift`, fused.
 
-The one entry point for models and integrations is `apply`: the fused kernel where the guards
-prove it exact, else the eager chain of `reference`, so every caller gets eager's bits by one
-decision written once. `fused` is the same decision without the fallback (None where it declines),
-`can_defer` says whether a gated update may be left pending for a later `apply`, and the decline
-reasons say why a call is declined. `gated_resnorm` and `modnorm` are the validated ops for direct
-use: they raise TypeError / ValueError for what the kernel cannot take instead of falling back.
-Under torch.compile the sites are the `torch.ops.flux2_fused` operators of `library`.
+The entry points for models are `defer` and `apply`, and they make the site's whole decision: under a
+torch.compile trace the site becomes the `torch.ops.flux2_fused` operators of `library` (which decide
+when the graph runs); in eager mode the fused kernel runs where the guards prove it exact, else the
+eager chain of `reference`, so every caller gets eager's bits by one decision written once. `defer`
+leaves `residual + gate * update` pending as a `Segment` that carries its verdict, so the `apply` that
+consumes it checks only what the verdict did not cover (the modulation of the norm). `fused` is the
+kernel decision without the fallback (None where it declines), and the decline reasons say why a
+call is declined. `gated_resnorm` and `modnorm` are the validated ops for direct use: they raise
+TypeError / ValueError for what the kernel cannot take instead of falling back.
 """
 
 from __future__ import annotations
@@ -53,10 +55,17 @@ def _segment_reason(segment: Segment, scale: torch.Tensor, shift: torch.Tensor) 
     return modnorm_decline_reason(segment.residual, scale, shift)
 
 
-def can_defer(residual: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> bool:
-    """True when `residual + gate * update` may be left pending for a later fused `apply`: the
-    kernel would take it as a gated segment. Never raises."""
-    return guards.defer(residual, update, gate)
+def defer(
+    residual: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, *, enabled: bool = True
+) -> Segment | torch.Tensor:
+    """`residual + gate * update`, left pending for the next `apply` where that can consume it: a
+    `Segment` carrying the verdict (under a torch.compile trace, or where the guard accepts), else
+    the eager sum. `enabled=False` (a model's switch) always computes the sum."""
+    if enabled and torch.compiler.is_compiling():
+        return Segment(residual, update, gate, deferred="traced")
+    if enabled and guards.defer(residual, update, gate):
+        return Segment(residual, update, gate, deferred="kernel")
+    return Segment(residual, update, gate).materialize()
 
 
 def decline_reason(
@@ -83,9 +92,12 @@ def fused(
     except Exception:  # not segments of tensors: declined, as the guards decline garbage
         return None
     for segment in rows:
-        if segment.gated:
+        if segment.gated and segment.deferred != "kernel":
             accepted = guards.gated(segment.residual, segment.update, segment.gate, scale, shift)
         else:
+            # A segment deferred with the kernel's verdict has its residual, update and gate accepted
+            # already: the plain guard adds what the verdict could not see (scale and shift against
+            # the residual, the runtime state), and together they are the gated guard.
             accepted = guards.plain(segment.residual, scale, shift)
         if not accepted:
             return None
@@ -96,12 +108,34 @@ def fused(
 
 
 def apply(
-    rows: Sequence[Segment], scale: torch.Tensor, shift: torch.Tensor, eps: float, *, write_residual: bool
+    rows: Sequence[Segment],
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    eps: float,
+    *,
+    write_residual: bool,
+    enabled: bool = True,
 ) -> Result:
-    """(out, stream): `fused` where it accepts, else the eager chain (`reference.segments`), bit for bit
-    the same. stream is None where the kernel was told not to write it."""
-    result = fused(rows, scale, shift, eps, write_residual=write_residual)
+    """(out, stream): the site's one decision. Under a torch.compile trace the `library` operators;
+    else `fused` where it accepts, else the eager chain (`reference.segments`), bit for bit the same.
+    stream is None where the kernel was told not to write it. `enabled=False` (a model's switch)
+    always runs the eager chain."""
+    if enabled and torch.compiler.is_compiling():
+        return _traced(rows, scale, shift, eps)
+    result = fused(rows, scale, shift, eps, write_residual=write_residual) if enabled else None
     return result if result is not None else reference.segments(rows, scale, shift, eps)
+
+
+def _traced(rows: Sequence[Segment], scale: torch.Tensor, shift: torch.Tensor, eps: float) -> Result:
+    """(out, stream) through the operators, which decide when the compiled graph runs: one gated
+    segment is the gated operator, anything else its stream (concatenated) through the plain one."""
+    from . import library
+
+    if len(rows) == 1 and rows[0].gated:
+        segment = rows[0]
+        return library.gated_resnorm(segment.residual, segment.update, segment.gate, scale, shift, eps)
+    stream = reference.stream(rows)
+    return library.modnorm(stream, scale, shift, eps), stream
 
 
 def gated_resnorm(
@@ -140,8 +174,8 @@ __all__ = [
     "Config",
     "Segment",
     "apply",
-    "can_defer",
     "decline_reason",
+    "defer",
     "defer_decline_reason",
     "fused",
     "gated_resnorm",

@@ -17,7 +17,7 @@ from .. import runtime
 from ..verdicts import Guard, Reason, TypeReason
 from .selfcheck import OP, Config
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = runtime.SUPPORTED_DTYPES
 MAX_DIM = 16384  # the kernel's largest instantiation: 32 vectors of 4 per thread, 128 threads
 
 

@@ -25,6 +25,10 @@ class Segment:
     residual: torch.Tensor
     update: torch.Tensor | None = None
     gate: torch.Tensor | None = None
+    # The verdict a gated segment was left pending with (`gated_resnorm.defer`): "kernel" when the
+    # guard accepted its residual, update and gate, "traced" when a torch.compile trace left it for the
+    # graph's operator; None for a segment nobody has judged.
+    deferred: str | None = None
 
     @property
     def gated(self) -> bool:
@@ -39,7 +43,7 @@ class Segment:
     def rows(self, start: int) -> Segment:
         """The same rows restricted to tokens [start:] (views; nothing is computed)."""
         update = None if self.update is None else self.update[:, start:]
-        return Segment(self.residual[:, start:], update, self.gate)
+        return Segment(self.residual[:, start:], update, self.gate, self.deferred)
 
 
 def modnorm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -63,8 +67,13 @@ def gated_resnorm(
 def segments(
     rows: Sequence[Segment], scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, stream) for a site over one or two segments: each materialized, concatenated along
-    tokens (diffusers' `cat([text, image], dim=1)`), then normalized and modulated."""
+    """(out, stream) for a site over one or two segments: the stream, then normalized and modulated."""
+    joint = stream(rows)
+    return modnorm(joint, scale, shift, eps), joint
+
+
+def stream(rows: Sequence[Segment]) -> torch.Tensor:
+    """A site's input rows as one tensor: each segment materialized, concatenated along tokens
+    (diffusers' `cat([text, image], dim=1)`)."""
     parts = [segment.materialize() for segment in rows]
-    stream = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    return modnorm(stream, scale, shift, eps), stream
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

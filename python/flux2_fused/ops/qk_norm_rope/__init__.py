@@ -2,12 +2,13 @@
 
 The entry point for models is `apply(q, k, cos, sin, eps, v=None) -> (q, k, v)`: attention's joint
 rotated q and k [B, S, H, 128] (and v's joint rows) from one kernel launch where the guards prove it
-exact, else from the eager chain of `reference`, bit for bit the same. `q` and `k` are one segment
+exact, else from the eager chain of `reference`, bit for bit the same; under a torch.compile trace
+the `library` operator, which decides when the graph runs. `q` and `k` are one segment
 each (a single block's joint rows) or two (a double block's text then image rows, each with its own
 RMSNorm weight); `v`, a double block's text and image v, is concatenated in the same launch, so the
 eager `cat`s disappear, and the token's RoPE tables are read once for q and k. `fused` is the same
 decision without the fallback; `qk_norm_rope` is the validated op that raises for inputs the kernel
-cannot take. Under torch.compile the sites are `torch.ops.flux2_fused.qk_norm_rope` (`library`).
+cannot take.
 """
 
 from __future__ import annotations
@@ -96,9 +97,27 @@ def apply(
     sin: torch.Tensor,
     eps: float,
     v: Sequence[torch.Tensor] | None = None,
+    *,
+    enabled: bool = True,
 ) -> Prologue:
-    """`fused` where it accepts, else the eager chain (`reference.prologue`): the same bits."""
-    out = fused(q, k, cos, sin, eps, v)
+    """The site's one decision: under a torch.compile trace the `library` operator, else `fused`
+    where it accepts, else the eager chain (`reference.prologue`): the same bits. `enabled=False` (a
+    model's switch) always runs the eager chain."""
+    if enabled and torch.compiler.is_compiling():
+        from . import library
+
+        out = library.qk_norm_rope(
+            [s.x for s in q],
+            [s.weight for s in q],
+            [s.x for s in k],
+            [s.weight for s in k],
+            v or [],
+            cos,
+            sin,
+            eps,
+        )
+        return out[0], out[1], out[2] if v else None
+    out = fused(q, k, cos, sin, eps, v) if enabled else None
     return out if out is not None else reference.prologue(q, k, cos, sin, eps, v)
 
 

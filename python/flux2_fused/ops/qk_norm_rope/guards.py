@@ -19,7 +19,7 @@ from .. import runtime
 from ..verdicts import Guard, Reason, TypeReason
 from .selfcheck import HEAD_DIM, OP, Config
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = runtime.SUPPORTED_DTYPES
 
 
 def _x_reason(x: Any, name: str = "x") -> Reason:

@@ -16,7 +16,7 @@ from .. import runtime
 from ..verdicts import Guard, Reason, TypeReason
 from .selfcheck import OP, Config
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = runtime.SUPPORTED_DTYPES
 
 
 def _rows_reason(name: str, t: Any) -> Reason:

@@ -1,180 +1,48 @@
 """The FLUX.2 transformer (DiT), eager PyTorch, bit-identical to diffusers' `Flux2Transformer2DModel`.
 
 Parameter names and shapes are diffusers' own, so a diffusers state dict loads here with strict=True and
-ours loads into diffusers. The forward runs the same aten ops, in the same dtypes and tensor layouts, as
-diffusers 0.42.1 with its "native" attention backend, so the two agree bit for bit on one device
-(`torch.equal`, CPU and CUDA, fp32/bf16/fp16). Anything that looks redundant below (the fp64 RoPE
-tables, the permuted SDPA inputs, the fp16 clips) is there because dropping it would change bits.
+ours loads into diffusers; the blocks take diffusers' keyword arguments and return what diffusers'
+return, so a caller or a hook written for diffusers' blocks works here too. The forward runs the same
+aten ops, in the same dtypes and tensor layouts, as diffusers 0.42.1 with its "native" attention
+backend, so the two agree bit for bit on one device (`torch.equal`, CPU and CUDA, fp32/bf16/fp16).
+Anything that looks redundant below (the fp64 RoPE tables, the permuted SDPA inputs, the fp16 clips)
+is there because dropping it would change bits.
 
-Every gated residual update goes through `Fusion.add`, every LayerNorm + adaLN modulation through
-`Fusion.norm`, and every q/k RMSNorm + RoPE through `Fusion.qk_norm_rope` (models/deferral.py): on a
-CUDA GPU, where the guards prove it exact, an update is left pending and the next norm consumes it in
-one fused kernel, and the attention prologue writes q and k in one launch each; everywhere else the
-same calls run diffusers' eager ops. Blocks' public `forward` always returns materialized tensors, so
-hooks and callers never see a pending update; the model's own loop passes pending streams between
-blocks.
+The computation is the family's block code (`blocks.py`), which this model runs as its own host
+(`HOST`, plain PyTorch modules): on a CUDA GPU each fusable site goes to its fused op where the guards
+prove it exact (a residual update left pending and consumed by the next norm in one kernel, the
+attention prologue in one launch a block), everywhere else the same calls run diffusers' eager ops.
+Blocks' public `forward` always returns materialized tensors, so hooks and callers never see a
+pending update; the model's own loop passes pending streams between plain blocks.
 """
 
-import dataclasses
 import math
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flux2_fused.models.blocks import (
+from ...host import ModuleHost, sdpa
+from ..deferral import Fusion, materialize
+from ..weights import CONFIG_NAME, WeightsError, read_config, save_folder, shard_files, stream_into
+from .blocks import (
+    Options,
     Rope,
     conditioning,
     double_attention,
-    double_block,
-    feed_forward,
-    has_hooks,
+    double_block_body,
     joint_rope,
-    output_norm,
+    output_norm_body,
     parallel_attention,
-    single_block,
+    single_block_body,
+    swiglu_mlp,
     transformer,
 )
-from flux2_fused.models.deferral import Fusion, Stream, materialize, stream_dtype
-from flux2_fused.models.weights import (
-    CONFIG_NAME,
-    WeightsError,
-    read_config,
-    save_folder,
-    shard_files,
-    stream_into,
-)
+from .config import Flux2Config
 
 # Devices without fp64, where diffusers builds its RoPE tables in fp32 instead.
 _NO_FP64_DEVICES = frozenset({"mps", "npu", "neuron"})
-
-
-@dataclasses.dataclass(frozen=True)
-class Flux2Config:
-    """Architecture hyper-parameters; field names are diffusers' `Flux2Transformer2DModel` arguments.
-
-    Defaults are diffusers' defaults (the dev model), so a `config.json` that omits a key means what it
-    means to diffusers.
-    """
-
-    patch_size: int = 1
-    in_channels: int = 128
-    out_channels: int | None = None
-    num_layers: int = 8
-    num_single_layers: int = 48
-    attention_head_dim: int = 128
-    num_attention_heads: int = 48
-    joint_attention_dim: int = 15360
-    timestep_guidance_channels: int = 256
-    mlp_ratio: float = 3.0
-    axes_dims_rope: tuple[int, ...] = (32, 32, 32, 32)
-    rope_theta: float = 2000
-    eps: float = 1e-6
-    guidance_embeds: bool = True
-
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "dev": {},
-        "klein-4b": {
-            "num_layers": 5,
-            "num_single_layers": 20,
-            "num_attention_heads": 24,
-            "joint_attention_dim": 7680,
-            "guidance_embeds": False,
-        },
-        "klein-9b": {
-            "num_layers": 8,
-            "num_single_layers": 24,
-            "num_attention_heads": 32,
-            "joint_attention_dim": 12288,
-            "guidance_embeds": False,
-        },
-        # For CPU tests: every structural feature of the real models (several blocks of each kind,
-        # 4 RoPE axes, guidance), at a size that runs in milliseconds.
-        "tiny": {
-            "in_channels": 32,
-            "num_layers": 2,
-            "num_single_layers": 2,
-            "attention_head_dim": 16,
-            "num_attention_heads": 4,
-            "joint_attention_dim": 48,
-            "timestep_guidance_channels": 32,
-            "axes_dims_rope": (4, 4, 4, 4),
-        },
-    }
-
-    def __post_init__(self) -> None:
-        """Reject configurations that would only fail (or silently misbehave) deep inside the forward."""
-        object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
-        if self.out_channels is None:
-            object.__setattr__(self, "out_channels", self.in_channels)
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name == "guidance_embeds":
-                ok = isinstance(value, bool)
-            elif field.name in ("mlp_ratio", "rope_theta", "eps"):
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-            elif field.name == "axes_dims_rope":
-                ok = bool(value) and all(isinstance(a, int) and a > 0 and a % 2 == 0 for a in value)
-            else:
-                ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-            if not ok:
-                raise ValueError(f"invalid {field.name}: {value!r}")
-        if sum(self.axes_dims_rope) != self.attention_head_dim:
-            raise ValueError(
-                f"axes_dims_rope {list(self.axes_dims_rope)} must sum to attention_head_dim "
-                f"{self.attention_head_dim} (RoPE rotates every channel of a head)"
-            )
-
-    @property
-    def inner_dim(self) -> int:
-        """D, the width of both residual streams."""
-        return self.num_attention_heads * self.attention_head_dim
-
-    @property
-    def mlp_hidden_dim(self) -> int:
-        """H, the SwiGLU hidden width (diffusers truncates D * mlp_ratio the same way)."""
-        return int(self.inner_dim * self.mlp_ratio)
-
-    @classmethod
-    def preset(cls, name: str) -> "Flux2Config":
-        """A named configuration: dev, klein-4b, klein-9b (the published FLUX.2 sizes), or tiny (tests)."""
-        if name not in cls.PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(cls.PRESETS)}")
-        return cls(**cls.PRESETS[name])
-
-    @classmethod
-    def from_diffusers(cls, config: Mapping[str, Any]) -> "Flux2Config":
-        """From a diffusers `config.json` dict; its bookkeeping keys (`_class_name`, ...) are ignored."""
-        names = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(key for key in config if key not in names and not key.startswith("_"))
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}")
-        return cls(**{key: value for key, value in config.items() if key in names})
-
-    def to_diffusers(self) -> dict[str, Any]:
-        """The keyword arguments of diffusers' `Flux2Transformer2DModel` (JSON-serialisable)."""
-        config = dataclasses.asdict(self)
-        config["axes_dims_rope"] = list(self.axes_dims_rope)
-        return config
-
-
-def image_ids(tokens: int, width: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
-    """FLUX.2 pipeline position ids (0, row, col, 0) of `tokens` latent tokens laid out row by row,
-    `width` tokens a row (default: the smallest square grid that holds them)."""
-    width = width or math.isqrt(max(tokens - 1, 0)) + 1
-    index = torch.arange(tokens, device=device)
-    zeros = torch.zeros_like(index)
-    return torch.stack([zeros, index // width, index % width, zeros], dim=-1)
-
-
-def text_ids(tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """FLUX.2 pipeline position ids (0, 0, 0, i) of text token i."""
-    index = torch.arange(tokens, device=device)
-    zeros = torch.zeros_like(index)
-    return torch.stack([zeros, zeros, zeros, index], dim=-1)
 
 
 def timestep_sinusoid(t: torch.Tensor, channels: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -266,7 +134,7 @@ class Flux2FeedForward(nn.Module):
         self.fusion = fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return feed_forward(self, self.fusion, x)
+        return swiglu_mlp(self, HOST, self.fusion, x)
 
 
 class Flux2DoubleAttention(nn.Module):
@@ -294,9 +162,13 @@ class Flux2DoubleAttention(nn.Module):
         self.add_v_proj = nn.Linear(dim, inner, bias=False)
         self.to_add_out = nn.Linear(inner, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, N, D] image rows, c [B, L, D] text rows -> (image update, text update)."""
-        return double_attention(self, self.fusion, x, c, rope)
+    def forward(
+        self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, image_rotary_emb: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """image rows [B, N, D], text rows [B, L, D] -> (image update, text update)."""
+        return double_attention(
+            self, HOST, self.fusion, hidden_states, encoder_hidden_states, image_rotary_emb, sdpa
+        )
 
 
 class Flux2ParallelAttention(nn.Module):
@@ -318,9 +190,9 @@ class Flux2ParallelAttention(nn.Module):
         self.norm_k = nn.RMSNorm(head_dim, eps=eps)
         self.to_out = nn.Linear(heads * head_dim + mlp_hidden, dim, bias=False)
 
-    def forward(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """h [B, S, D] (normalised, modulated) -> the block's update [B, S, D]."""
-        return parallel_attention(self, self.fusion, h, rope)
+    def forward(self, hidden_states: torch.Tensor, image_rotary_emb: Rope) -> torch.Tensor:
+        """[B, S, D] (normalised, modulated) -> the block's update [B, S, D]."""
+        return parallel_attention(self, HOST, self.fusion, hidden_states, image_rotary_emb, sdpa)
 
 
 class Flux2DoubleBlock(nn.Module):
@@ -345,21 +217,28 @@ class Flux2DoubleBlock(nn.Module):
         self.fusion = fusion
 
     def forward(
-        self, x: torch.Tensor, c: torch.Tensor, mod_img: torch.Tensor, mod_txt: torch.Tensor, rope: Rope
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb_mod_img: torch.Tensor,
+        temb_mod_txt: torch.Tensor,
+        image_rotary_emb: Rope,
+        joint_attention_kwargs: Options = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x [B, N, D], c [B, L, D], mod_img [B, 6D], mod_txt [B, 6D], rope) -> (x, c), materialized."""
-        x_out, c_out = self.forward_streams(x, c, mod_img, mod_txt, rope)
-        return materialize(x_out), materialize(c_out)
-
-    def forward_streams(
-        self, x: Stream, c: Stream, mod_img: torch.Tensor, mod_txt: torch.Tensor, rope: Rope
-    ) -> tuple[Stream, Stream]:
-        """The block on possibly-pending streams; returns the FFN updates of both streams pending.
-
-        Stream by stream in diffusers' order: image attention residual, norm2, FFN residual; then the
-        same for text, whose result is clipped in fp16.
-        """
-        return double_block(self, self.fusion, x, c, mod_img, mod_txt, rope, attend=_attend, mlp=_mlp)
+        """(image [B, N, D], text [B, L, D], modulations [B, 6D] each, rope) -> (text, image), as
+        diffusers' block returns them, materialized."""
+        x, c = double_block_body(
+            self,
+            HOST,
+            self.fusion,
+            hidden_states,
+            encoder_hidden_states,
+            temb_mod_img,
+            temb_mod_txt,
+            image_rotary_emb,
+            joint_attention_kwargs,
+        )
+        return materialize(c), materialize(x)
 
 
 class Flux2SingleBlock(nn.Module):
@@ -373,13 +252,26 @@ class Flux2SingleBlock(nn.Module):
         self.attn = Flux2ParallelAttention(dim, heads, head_dim, mlp_hidden, eps, fusion=fusion)
         self.fusion = fusion
 
-    def forward(self, h: torch.Tensor, mod: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """(h [B, L + N, D], mod [B, 3D], rope) -> h, materialized."""
-        return materialize(self.forward_streams(h, mod, rope))
-
-    def forward_streams(self, h: Stream, mod: torch.Tensor, rope: Rope) -> Stream:
-        """The block on a possibly-pending stream; returns its parallel attention+MLP update pending."""
-        return single_block(self, self.fusion, h, mod, rope, attend=_attend)
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None,
+        temb_mod: torch.Tensor,
+        image_rotary_emb: Rope,
+        joint_attention_kwargs: Options = None,
+    ) -> torch.Tensor:
+        """(joint rows [B, L + N, D], None, modulation [B, 3D], rope) -> joint rows, materialized; text
+        rows given apart as `encoder_hidden_states` are put first, as diffusers does."""
+        h = hidden_states
+        text_tokens = 0
+        if encoder_hidden_states is not None:
+            text_tokens = encoder_hidden_states.shape[1]
+            h = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        return materialize(
+            single_block_body(
+                self, HOST, self.fusion, h, temb_mod, image_rotary_emb, joint_attention_kwargs, text_tokens
+            )
+        )
 
 
 class Flux2OutputNorm(nn.Module):
@@ -394,42 +286,24 @@ class Flux2OutputNorm(nn.Module):
         self.fusion = fusion
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        return self.forward_streams(x, temb)
-
-    def forward_streams(self, x: Stream, temb: torch.Tensor) -> torch.Tensor:
-        """The output norm of a possibly-pending stream that nothing reads afterwards."""
-        return output_norm(self, self.fusion, x, temb, stream_dtype(x))
+        return output_norm_body(self, HOST, self.fusion, x, temb)
 
 
-def _attend(attn: nn.Module, fusion: Fusion, *args: Any) -> Any:
-    """The attention of one of our blocks through its module call, so hooks on it see it run."""
-    return attn(*args)
-
-
-def _mlp(ff: nn.Module, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
-    return ff(x)
-
-
-def _run_double(
-    index: int, block: nn.Module, fusion: Fusion, x: Stream, c: Stream, *args: Any
-) -> tuple[Stream, Stream]:
-    return _call(block, (x, c), *args)
-
-
-def _run_single(index: int, block: nn.Module, fusion: Fusion, h: Stream, *args: Any) -> Stream:
-    return _call(block, (h,), *args)
-
-
-def _run_output(norm_out: nn.Module, fusion: Fusion, rows: Stream, temb: torch.Tensor) -> torch.Tensor:
-    return _call(norm_out, (rows,), temb)
-
-
-def _call(module: nn.Module, streams: tuple[Stream, ...], *args: Any) -> Any:
-    """`module.forward_streams(*streams, *args)`; where hooks are attached, the module's public call
-    on the streams materialized instead, so hooks see real tensors and may replace them."""
-    if has_hooks(module):
-        return module(*(materialize(s) for s in streams), *args)
-    return module.forward_streams(*streams, *args)
+# The model's own host: its modules are plain where they are of these classes and nothing hooks them.
+HOST = ModuleHost(
+    frozenset(
+        {
+            Flux2FeedForward,
+            Flux2DoubleAttention,
+            Flux2ParallelAttention,
+            Flux2DoubleBlock,
+            Flux2SingleBlock,
+            Flux2OutputNorm,
+            nn.LayerNorm,
+            nn.RMSNorm,
+        }
+    )
+)
 
 
 class Flux2Transformer(nn.Module):
@@ -482,7 +356,7 @@ class Flux2Transformer(nn.Module):
 
         Batched ids [B, S, n_axes] use the first batch element's ids, as diffusers does.
         """
-        return joint_rope(self.pos_embed, img_ids, txt_ids, device)
+        return joint_rope(self.pos_embed, HOST, img_ids, txt_ids, device)
 
     def forward(
         self,
@@ -498,16 +372,10 @@ class Flux2Transformer(nn.Module):
         encoder_hidden_states [B, L, joint_attention_dim]; timestep [B] in [0, 1] and guidance [B]
         (both cast to the input dtype, then x1000); img_ids [N, n_axes] or [B, N, n_axes], txt_ids alike.
         """
-        cond = conditioning(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance)
-        return transformer(
-            self,
-            self.fusion,
-            cond,
-            run_double=_run_double,
-            run_single=_run_single,
-            run_output=_run_output,
-            leading_rows=encoder_hidden_states.shape[1],
+        cond = conditioning(
+            self, HOST, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance
         )
+        return transformer(self, HOST, self.fusion, cond, leading_rows=encoder_hidden_states.shape[1])
 
     @classmethod
     def _on_meta(cls, config: Flux2Config, fused: bool) -> "Flux2Transformer":

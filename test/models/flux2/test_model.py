@@ -77,7 +77,9 @@ def test_fp16_clipping_parity() -> None:
     peaks = []
     text_stream, last_single = ours.transformer_blocks[0], ours.single_transformer_blocks[-1]
     hooks = [
-        text_stream.register_forward_hook(lambda m, i, out: peaks.append(out[1].abs().max())),
+        text_stream.register_forward_hook(
+            lambda m, i, out: peaks.append(out[0].abs().max())
+        ),  # (text, image)
         last_single.register_forward_hook(lambda m, i, out: peaks.append(out.abs().max())),
     ]
     ours_out, ref_out = run_both(ours, make_inputs(TINY, 2, torch.float16, guidance=True))

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from flux2_fused.bench.hosts import diffusers_model
-from flux2_fused.integrations import diffusers as integration
 from flux2_fused.integrations.diffusers import enable
-from flux2_fused.models.flux2 import Flux2Transformer
+from flux2_fused.models.flux2 import Flux2Transformer, blocks
 
-from ..models.test_flux2 import TINY
+from ...conftest import count_calls
+from ...models.flux2.test_model import TINY
 
 pipelines = pytest.importorskip("diffusers")
 attention_backend = pytest.importorskip("diffusers.models.attention_dispatch").attention_backend
@@ -51,17 +51,13 @@ def _run(pipe: object, **kwargs: object) -> torch.Tensor:
 
 def _compare(pipe: object, monkeypatch: pytest.MonkeyPatch, **kwargs: object) -> int:
     """Latents with and without the patch are equal; returns how often the patched loop ran a block."""
-    calls = []
-    monkeypatch.setattr(integration, "double_block", lambda *a, **k: calls.append(1) or _double(*a, **k))
+    calls = count_calls(monkeypatch, blocks, "double_block_body")
     expected = _run(pipe, **kwargs)
     handle = enable(pipe)
     patched = _run(pipe, **kwargs)
     handle.disable()
     assert torch.equal(patched, expected)
     return len(calls)
-
-
-_double = integration.double_block
 
 
 def test_klein_pipeline_with_cfg(monkeypatch: pytest.MonkeyPatch) -> None:

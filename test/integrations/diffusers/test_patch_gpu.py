@@ -23,7 +23,7 @@ from flux2_fused.bench import hosts
 from flux2_fused.integrations.diffusers import enable
 from flux2_fused.models.flux2 import Flux2Config
 
-from .test_diffusers import _fused_launches, _inputs, assert_same_kv_caches, use_kv_processors
+from .test_patch import _fused_launches, _inputs, assert_same_kv_caches, use_kv_processors
 
 pytestmark = pytest.mark.gpu
 diffusers = pytest.importorskip("diffusers")

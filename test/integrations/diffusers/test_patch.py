@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-from flux2_fused.integrations import diffusers as integration
-from flux2_fused.integrations.diffusers import enable
-from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
+from flux2_fused.integrations.diffusers import DiffusersHost, enable, patch
+from flux2_fused.integrations.diffusers.slots import forward_slots
+from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer, blocks
 
-from ..models.test_flux2 import TINY, diffusers_model, image_ids, text_ids
+from ...models.flux2.test_model import TINY, diffusers_model, image_ids, text_ids
 
 attention_backend = pytest.importorskip("diffusers.models.attention_dispatch").attention_backend
 
@@ -129,25 +129,33 @@ def routes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         "diffusers ff": 0,
     }
 
-    def counted(name: str, fn):
-        def wrapper(*args, **kwargs):
+    body = {"double_block_body": "double", "single_block_body": "single"}
+    for function, name in body.items():
+        real = getattr(blocks, function)
+        monkeypatch.setattr(blocks, function, _counting(counts, name, real))
+    module_calls = {
+        "Flux2Attention": "diffusers attention",
+        "Flux2ParallelSelfAttention": "diffusers single attention",
+        "Flux2FeedForward": "diffusers ff",
+    }
+    real_call = DiffusersHost.call
+
+    def call(host: DiffusersHost, module: torch.nn.Module, *args, **kwargs):
+        name = module_calls.get(type(module).__name__)
+        if name is not None:
             counts[name] += 1
-            return fn(*args, **kwargs)
+        return real_call(host, module, *args, **kwargs)
 
-        return wrapper
-
-    monkeypatch.setattr(integration, "double_block", counted("double", integration.double_block))
-    monkeypatch.setattr(integration, "single_block", counted("single", integration.single_block))
-    monkeypatch.setattr(
-        integration, "_call_attention", counted("diffusers attention", integration._call_attention)
-    )
-    monkeypatch.setattr(
-        integration,
-        "_call_parallel_attention",
-        counted("diffusers single attention", integration._call_parallel_attention),
-    )
-    monkeypatch.setattr(integration, "_call_ff", counted("diffusers ff", integration._call_ff))
+    monkeypatch.setattr(DiffusersHost, "call", call)
     return counts
+
+
+def _counting(counts: dict[str, int], name: str, fn):
+    def wrapper(*args, **kwargs):
+        counts[name] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _model() -> torch.nn.Module:
@@ -430,8 +438,8 @@ def test_hooks_on_the_transformer_run_around_the_fused_forward(
     # hooks kept, blocks not fused, no fused forward left under the hooks
     assert sorted(calls) == sorted(names * 2) and routes["double"] == TINY.num_layers
     assert not any(
-        getattr(getattr(holder, name), "__func__", None) is integration._fused_forward
-        for holder, name in integration._forward_slots(model)
+        getattr(getattr(holder, name), "__func__", None) is patch._fused_forward
+        for holder, name in forward_slots(model)
     )
 
 

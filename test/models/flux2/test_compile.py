@@ -13,8 +13,8 @@ import torch
 
 from flux2_fused.models.flux2 import Flux2Transformer
 
-from .test_deferral import make_inputs
-from .test_flux2 import TINY
+from ..test_deferral import make_inputs
+from .test_model import TINY
 
 
 def _compile_and_compare(device: str, dtype: torch.dtype) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 
-from .test_flux2 import TINY, image_ids, make_inputs, run_both, text_ids
+from .test_model import TINY, image_ids, make_inputs, run_both, text_ids
 
 pytestmark = pytest.mark.gpu
 

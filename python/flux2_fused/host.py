@@ -1,0 +1,115 @@
+"""The host interface: what a model family's block code needs from the framework that owns the modules.
+
+A *family* (FLUX.2 in `models/flux2/`) writes its blocks once, as functions of a block's modules. A
+*host* (the package's own model, diffusers in `integrations/diffusers/`) owns those modules: their
+classes, the hooks and wrappers on them, how its projections return, how its attention runs. The block
+code never asks which host it runs in; it calls the host downward through this protocol, and the host
+never calls back into the block code except by running a module whose forward is the family's.
+
+A block is invoked by the family's loop: where `plain(block)` holds, the block code runs on the block's
+modules with residual updates left pending between blocks; elsewhere the loop materializes the streams
+and `call`s the block as the host would, so hooks, caches and offload wrappers around it run (a host
+that wants those wrappers to run fused code too installs the family's block forward under them).
+docs/architecture.md shows the interface and how a new host plugs in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# q, k, v [B, S, H, head_dim] (text rows first) -> attention output [B, S, H * head_dim].
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@runtime_checkable
+class Host(Protocol):
+    """How the block code reaches the framework that owns a model's modules."""
+
+    def plain(self, module: nn.Module) -> bool:
+        """Whether the block code may compute `module`'s forward itself instead of calling it: the
+        module is of a class whose forward the family reproduces, and nothing hooks or wraps it, so
+        skipping its call changes nothing."""
+        ...
+
+    def call(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """The module's own call as the host runs it (hooks, wrappers, replaced forwards), on real
+        tensors: for the modules the block code may not compute itself."""
+        ...
+
+    def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A projection's output, called as the host calls it, so LoRA layers, quantized linears and
+        offload hooks run with the weights they hold at call time."""
+        ...
+
+    def attention(
+        self, attn: nn.Module, options: Mapping[str, Any] | None, text_tokens: int
+    ) -> Attention | None:
+        """The attention `attn` computes on the block code's q, k, v, with the host's backend and
+        parallel configuration; None where the attention module's own call must run instead (another
+        processor, arguments the block code does not implement, hooks). `options` are the host's
+        per-call attention arguments, `text_tokens` how many joint rows are text."""
+        ...
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` would run forward hooks (its own or global ones)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or torch.nn.modules.module._global_forward_hooks
+        or torch.nn.modules.module._global_forward_pre_hooks
+    )
+
+
+def unwrapped(module: nn.Module) -> bool:
+    """Whether skipping `module`'s call changes nothing: no hooks, no forward replaced on the
+    instance (accelerate's offload and diffusers' cache hooks wrap `forward` that way), and not
+    compiled on its own (`module.compile()`, as diffusers' `compile_repeated_blocks` does)."""
+    return (
+        not has_hooks(module)
+        and "forward" not in module.__dict__
+        and getattr(module, "_compiled_call_impl", None) is None
+    )
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """PyTorch's SDPA on [B, S, H, hd] tensors -> [B, S, H * hd], as diffusers' native backend runs it.
+
+    The inputs are handed to SDPA as permuted [B, H, S, hd] views, not contiguous copies, exactly as
+    diffusers' native backend does, so SDPA picks the same kernel and gives the same bits.
+    """
+    query, key, value = (t.permute(0, 2, 1, 3) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(query, key, value)
+    return out.permute(0, 2, 1, 3).flatten(2, 3)
+
+
+class ModuleHost:
+    """A host whose modules are plain PyTorch modules (the package's own model): a module is plain
+    where it is of one of `classes` (those whose forward the family's block code reproduces) and
+    nothing hooks or wraps it; modules and projections are called as modules, and attention is
+    PyTorch's SDPA as diffusers' native backend runs it."""
+
+    def __init__(self, classes: frozenset[type]) -> None:
+        self.classes = classes
+
+    def plain(self, module: nn.Module) -> bool:
+        return type(module) in self.classes and unwrapped(module)
+
+    def call(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
+    def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return module(x)
+
+    def attention(
+        self, attn: nn.Module, options: Mapping[str, Any] | None, text_tokens: int
+    ) -> Attention | None:
+        return sdpa if not options and self.plain(attn) else None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self.classes)} plain classes)"

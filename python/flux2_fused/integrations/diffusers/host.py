@@ -1,0 +1,138 @@
+"""diffusers as a host of the block code: which of its modules are plain, its attention, its adapters.
+
+A `DiffusersHost` implements `flux2_fused.host.Host` for one family's diffusers classes (the
+family's `Binding` names them): a module is plain where it is one of those classes (or a PyTorch
+norm, activation or dropout) and nothing hooks or wraps it; modules and projections are called as
+diffusers calls them, so peft's LoRA layers, quantized linears and offload hooks run; the attention
+of a module whose processor the family maps is diffusers' own `dispatch_attention_fn` with the
+processor's backend and parallel config, handed the q, k, v the processor would hand it. That
+one choice makes every attention backend and context parallelism (whose exchange happens inside the
+dispatch) run fused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...host import Attention, ModuleHost, unwrapped
+
+# The attention of a processor on the block code's q, k, v, or None where its own call must run:
+# (host, processor, the call's attention options, the joint rows that are text) -> Attention | None.
+AttentionFactory = Callable[["DiffusersHost", Any, Mapping[str, Any], int], Attention | None]
+
+# PyTorch modules the families' block code computes itself where nothing wraps them.
+TORCH_CLASSES = frozenset({nn.LayerNorm, nn.RMSNorm, nn.SiLU, nn.Dropout})
+
+
+@dataclass(frozen=True)
+class Binding:
+    """How one family's diffusers transformer maps onto its block code.
+
+    classes: the qualified names of the diffusers classes whose forward the block code reproduces
+    (a class this diffusers lacks is skipped); processors: attention processor classes by qualified
+    name, each with the attention it computes; forward(model, host, fusion, args, kwargs): the
+    transformer's forward on the block code, or None where diffusers' own forward must run the call.
+    """
+
+    classes: tuple[str, ...]
+    processors: Mapping[str, AttentionFactory]
+    forward: Callable[..., Any]
+
+
+def resolve(qualified: str) -> type | None:
+    """The class `package.module.Class` names, None where this diffusers has no such class."""
+    module, _, name = qualified.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+def _resolved(names: Iterable[str]) -> dict[type, str]:
+    return {cls: name for name in names if (cls := resolve(name)) is not None}
+
+
+class DiffusersHost(ModuleHost):
+    """The diffusers host for one family's binding (see the module docstring)."""
+
+    def __init__(self, binding: Binding) -> None:
+        super().__init__(TORCH_CLASSES | frozenset(_resolved(binding.classes)))
+        self.binding = binding
+        self.processors = {
+            cls: binding.processors[name] for cls, name in _resolved(binding.processors).items()
+        }
+
+    def attention(
+        self, attn: nn.Module, options: Mapping[str, Any] | None, text_tokens: int
+    ) -> Attention | None:
+        if not self._attention_plain(attn):
+            return None
+        factory = self.processors.get(type(attn.processor))
+        return None if factory is None else factory(self, attn.processor, options or {}, text_tokens)
+
+    def _attention_plain(self, attn: nn.Module) -> bool:
+        """The attention module's forward may be replaced by the block code (its processor aside):
+        a family class, unfused projections, no hooks, the parameter-free dropout of `to_out`
+        (diffusers keeps one at index 1 in the double block) inactive."""
+        if not self.plain(attn) or getattr(attn, "fused_projections", False):
+            return False
+        out = attn.to_out
+        if isinstance(out, nn.ModuleList) and len(out) > 1:
+            dropout = out[1]
+            if not (
+                isinstance(dropout, nn.Dropout)
+                and unwrapped(dropout)
+                and (dropout.p == 0 or not dropout.training)
+            ):
+                return False
+        return True
+
+    @staticmethod
+    def dispatch(processor: Any) -> Attention:
+        """A processor's attention: diffusers' `dispatch_attention_fn` with the processor's backend
+        and parallel config, on q, k, v as the processor passes them, flattened and cast as the
+        processor does. A context-parallel config exchanges rows with the other ranks in there."""
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            out = dispatch_attention_fn(
+                query,
+                key,
+                value,
+                attn_mask=None,
+                backend=processor._attention_backend,
+                parallel_config=processor._parallel_config,
+            )
+            return out.flatten(2, 3).to(query.dtype)
+
+        return attend
+
+    @staticmethod
+    @contextlib.contextmanager
+    def scaled_adapters(model: nn.Module, attention_kwargs: dict | None) -> Iterator[dict | None]:
+        """diffusers' `apply_lora_scale` around a forward: a "scale" in the attention arguments scales
+        every peft LoRA layer for the call; the rest goes on to the attention calls."""
+        from diffusers.utils import USE_PEFT_BACKEND, scale_lora_layers, unscale_lora_layers
+
+        extra = None
+        scale = 1.0
+        if attention_kwargs is not None:
+            extra = dict(attention_kwargs)
+            scale = extra.pop("scale", 1.0)
+        if USE_PEFT_BACKEND:
+            scale_lora_layers(model, scale)
+        try:
+            yield extra
+        finally:
+            if USE_PEFT_BACKEND:
+                unscale_lora_layers(model, scale)
+
+    def __repr__(self) -> str:
+        return f"DiffusersHost({len(self.classes)} plain classes, {len(self.processors)} processors)"

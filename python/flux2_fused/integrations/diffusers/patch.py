@@ -1,0 +1,106 @@
+"""`enable(transformer or pipeline)`: the fused forward put in the model's forward slot, and its handle."""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...models.deferral import Fusion
+from .host import DiffusersHost
+from .registry import FAMILIES, binding_for, qualified_name
+from .slots import binds_class_forward, forward_slots
+from .version import check_version
+
+
+@dataclass(repr=False)
+class FusedHandle:
+    """What `enable` returns: the switch of the patched transformer, and `disable()` to undo it.
+
+    `fusion.fused = False` keeps the patch but runs every site eager (for A/B comparisons). `method`
+    is the fused forward bound to the transformer, wherever it sits in the forward's wrappers;
+    `previous_forward` is a forward of unknown kind that was set on the instance before `enable`
+    (every call then goes through it, unfused), restored by `disable`.
+    """
+
+    transformer: nn.Module
+    host: DiffusersHost
+    fusion: Fusion
+    method: Any
+    previous_forward: Any = None
+
+    def __repr__(self) -> str:
+        state = "active" if getattr(self.transformer, "_flux2_fused_handle", None) is self else "disabled"
+        return f"FusedHandle({type(self.transformer).__name__}, fused={self.fusion.fused}, {state})"
+
+    def disable(self) -> None:
+        """Restore the transformer's forward as it was before `enable`, wrappers added since kept."""
+        transformer = self.transformer
+        for holder, name in forward_slots(transformer):
+            if getattr(holder, name) is not self.method:
+                continue
+            if holder is transformer and name == "forward":
+                del transformer.__dict__["forward"]
+                if self.previous_forward is not None:
+                    transformer.forward = self.previous_forward
+            else:
+                setattr(holder, name, types.MethodType(type(transformer).forward, transformer))
+            break
+        transformer._flux2_fused_handle = None
+
+
+def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The model's forward through its family's binding where that implements the call, else
+    diffusers' own forward (or the forward of unknown kind set before `enable`), unfused.
+
+    Bound to the transformer as a method, so a `copy.deepcopy` of the module binds the copy."""
+    handle: FusedHandle | None = getattr(self, "_flux2_fused_handle", None)
+    if (
+        handle
+        is not None  # else the handle was disabled while this method stayed reachable (another wrapper)
+        and handle.previous_forward is None
+        # gradient checkpointing while a gradient is needed: diffusers' forward checkpoints each block
+        and not (torch.is_grad_enabled() and getattr(self, "gradient_checkpointing", False))
+    ):
+        out = handle.host.binding.forward(self, handle.host, handle.fusion, args, kwargs)
+        if out is not None:
+            return out
+    original = (handle and handle.previous_forward) or types.MethodType(type(self).forward, self)
+    return original(*args, **kwargs)
+
+
+def enable(model: Any, fused: bool = True) -> FusedHandle:
+    """Patch a diffusers transformer of a supported family (`registry.FAMILIES`), or a pipeline's
+    `.transformer`, in place; returns a handle. Enabling twice returns the same handle."""
+    check_version()
+    transformer = getattr(model, "transformer", model)
+    binding = binding_for(transformer) if isinstance(transformer, nn.Module) else None
+    if binding is None:
+        supported = ", ".join(name.rpartition(".")[2] for name in FAMILIES)
+        raise TypeError(
+            f"flux2-fused: expected a diffusers transformer ({supported}) or a pipeline holding one, "
+            f"got {qualified_name(type(model))}"
+        )
+    existing = getattr(transformer, "_flux2_fused_handle", None)
+    if existing is not None:
+        if any(getattr(holder, name) is existing.method for holder, name in forward_slots(transformer)):
+            return existing
+        transformer._flux2_fused_handle = None  # replaced from outside since: install afresh
+    method = types.MethodType(_fused_forward, transformer)
+    # Under wrappers that end in the class's forward (accelerate's and diffusers' hooks), the fused
+    # forward takes its place there, so the wrappers run around it; a wrapper of unknown kind stays
+    # outermost and is called whole (unfused).
+    for holder, name in forward_slots(transformer):
+        if binds_class_forward(getattr(holder, name), transformer):
+            setattr(holder, name, method)
+            previous = None
+            break
+    else:
+        previous = transformer.__dict__.get("forward")
+        transformer.forward = method
+    handle = FusedHandle(transformer, DiffusersHost(binding), Fusion(fused=fused), method, previous)
+    transformer._flux2_fused_handle = handle
+    return handle

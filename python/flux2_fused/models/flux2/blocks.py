@@ -1,0 +1,410 @@
+"""FLUX.2's blocks as functions of their modules, written once for every host.
+
+The package's `Flux2Transformer` and diffusers' `Flux2Transformer2DModel` name their submodules
+alike (`norm1`, `attn.to_q`, `attn.norm_added_k`, `ff.linear_in`, `attn.to_qkv_mlp_proj`, ...)
+and call them alike (diffusers' keyword arguments), so these functions take a block (or its
+attention, feed-forward, output norm) of any host and run diffusers' eager computation, each fusable
+site sent to its op's entry point, which runs the kernel where the guards prove it exact. They reach
+the host only through `flux2_fused.host.Host`: every projection through `host.linear` (so a LoRA
+layer, a quantized linear, an offload hook runs as in the host, with the parameters it holds at call
+time), the attention through `host.attention`, and any module the block code may not compute itself
+(`host.plain` says which) through `host.call`.
+
+Each dispatcher (`double_block`, `single_block`, `joint_attention`, `feed_forward`, `output_norm`)
+runs the block code where the module is plain and the host's own call elsewhere; the `*_body`
+functions are the block code itself, which a host's module forward may call directly (the package's
+modules do).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...host import Attention, Host
+from ...ops import qk_norm_rope, swiglu
+from ..deferral import Fusion, PendingConcat, Stream, materialize, stream_dtype, stream_rows
+
+# (cos, sin) RoPE tables, [S_txt + S_img, head_dim] each, text rows first.
+Rope = tuple[torch.Tensor, torch.Tensor]
+# A block's attention arguments as the host passes them (diffusers' `joint_attention_kwargs`).
+Options = Mapping[str, Any] | None
+
+DOUBLE_NORMS = ("norm1", "norm1_context", "norm2", "norm2_context")
+
+
+def split_modulation(mod: torch.Tensor, sets: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Split a [B, 3*sets*D] modulation into `sets` (shift, scale, gate) triples of [B, 1, D] views, as
+    diffusers' `Flux2Modulation.split` does; a per-token [B, S, 3*sets*D] one (KV editing's blend of
+    reference and image rows) into [B, S, D] views."""
+    chunks = (mod.unsqueeze(1) if mod.ndim == 2 else mod).chunk(3 * sets, dim=-1)
+    return [(chunks[3 * i], chunks[3 * i + 1], chunks[3 * i + 2]) for i in range(sets)]
+
+
+def layer_norms_plain(host: Host, module: nn.Module, names: Iterable[str]) -> bool:
+    """The named LayerNorms are plain affine-free LayerNorms, which the fused sites replace."""
+    for name in names:
+        norm = getattr(module, name)
+        if type(norm) is not nn.LayerNorm or norm.elementwise_affine or not host.plain(norm):
+            return False
+    return True
+
+
+def prologue(
+    host: Host,
+    fusion: Fusion,
+    q: list[tuple[torch.Tensor, nn.Module]],
+    k: list[tuple[torch.Tensor, nn.Module]],
+    rope: Rope,
+    v: list[torch.Tensor] | None = None,
+) -> qk_norm_rope.Prologue:
+    """q, k (and v) for attention: each q and k part's heads [B, S, H, hd] through its RMSNorm,
+    concatenated along tokens (text first), rotated; v's parts concatenated alike (None when not
+    given): one fused launch where the op accepts. Norms that are not plain RMSNorms of one eps (a
+    launch takes one) run as the host's module calls."""
+    norms = [norm for _, norm in (*q, *k)]
+    plain = all(type(norm) is nn.RMSNorm and host.plain(norm) for norm in norms)
+    if not plain or len({norm.eps for norm in norms}) != 1:
+        joint = []
+        for parts in (q, k):
+            normed = [host.call(norm, x) for x, norm in parts]
+            joint.append(
+                qk_norm_rope.reference.rope(torch.cat(normed, dim=1) if len(normed) > 1 else normed[0], *rope)
+            )
+        return joint[0], joint[1], None if v is None else torch.cat(v, dim=1)
+    segments = [[qk_norm_rope.Segment(x, norm.weight) for x, norm in parts] for parts in (q, k)]
+    return qk_norm_rope.apply(*segments, *rope, norms[0].eps, v, enabled=fusion.fused)
+
+
+def double_attention(
+    attn: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    x: torch.Tensor,
+    c: torch.Tensor,
+    rope: Rope,
+    attend: Attention,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Joint attention of a double block: x [B, N, D] image rows, c [B, L, D] text rows -> (image
+    update, text update). Text rows come first in the joint sequence (and in the RoPE tables).
+    `attend` maps the prologue's q, k, v to the attention output (the host's backend)."""
+    shape = (-1, attn.head_dim)
+    query, key, value = (
+        host.linear(proj, x).unflatten(-1, shape) for proj in (attn.to_q, attn.to_k, attn.to_v)
+    )
+    c_query, c_key, c_value = (
+        host.linear(proj, c).unflatten(-1, shape)
+        for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+    )
+    query, key, value = prologue(
+        host,
+        fusion,
+        [(c_query, attn.norm_added_q), (query, attn.norm_q)],
+        [(c_key, attn.norm_added_k), (key, attn.norm_k)],
+        rope,
+        [c_value, value],
+    )
+    out = attend(query, key, value)
+    c_out, x_out = out.split_with_sizes([c.shape[1], x.shape[1]], dim=1)
+    c_out = host.linear(
+        attn.to_add_out, c_out
+    )  # before to_out, as diffusers calls them (adapter dropout draws in order)
+    return host.linear(attn.to_out[0], x_out), c_out
+
+
+def joint_attention(
+    attn: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    x: torch.Tensor,
+    c: torch.Tensor,
+    rope: Rope,
+    options: Options,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A double block's attention: the block code with the host's attention where the host has one
+    for this module and these options, else the attention module's own call."""
+    attend = host.attention(attn, options, c.shape[1])
+    if attend is None:
+        return host.call(
+            attn, hidden_states=x, encoder_hidden_states=c, image_rotary_emb=rope, **(options or {})
+        )
+    return double_attention(attn, host, fusion, x, c, rope, attend)
+
+
+def parallel_attention(
+    attn: nn.Module, host: Host, fusion: Fusion, h: torch.Tensor, rope: Rope, attend: Attention
+) -> torch.Tensor:
+    """A single block's body: one Linear gives q, k, v and the MLP input, one maps the attention
+    output and the SwiGLU activation back to D. The split follows diffusers' (q, k, v and the MLP
+    part in proportion to their full widths, so a column-sharded projection splits alike); `attend`
+    as in `double_attention`."""
+    proj = host.linear(attn.to_qkv_mlp_proj, h)
+    qkv_dim = 3 * attn.inner_dim
+    qkv_width = proj.shape[-1] * qkv_dim // (qkv_dim + attn.mlp_hidden_dim * attn.mlp_mult_factor)
+    qkv, mlp = proj.split([qkv_width, proj.shape[-1] - qkv_width], dim=-1)
+    query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
+    query, key, _ = prologue(host, fusion, [(query, attn.norm_q)], [(key, attn.norm_k)], rope)
+    out = attend(query, key, value)
+    return host.linear(attn.to_out, swiglu.concat(out, mlp, enabled=fusion.fused))
+
+
+def single_attention(
+    attn: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    h: torch.Tensor,
+    rope: Rope,
+    options: Options,
+    text_tokens: int,
+) -> torch.Tensor:
+    """A single block's attention + MLP: the block code where the host has an attention for this
+    module and its SwiGLU (where it has one as a module) is plain, else the module's own call."""
+    act = getattr(attn, "mlp_act_fn", None)
+    attend = host.attention(attn, options, text_tokens)
+    if attend is None or (act is not None and not host.plain(act)):
+        return host.call(attn, hidden_states=h, image_rotary_emb=rope, **(options or {}))
+    return parallel_attention(attn, host, fusion, h, rope, attend)
+
+
+def swiglu_mlp(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP: linear_in D -> 2H, silu(a) * b, linear_out H -> D."""
+    return host.linear(ff.linear_out, swiglu.apply(host.linear(ff.linear_in, x), enabled=fusion.fused))
+
+
+def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
+    """The block code's MLP where `ff` (and its activation module, where it has one) is plain, else
+    the module's own call."""
+    act = getattr(ff, "act_fn", None)
+    if host.plain(ff) and (act is None or host.plain(act)):
+        return swiglu_mlp(ff, host, fusion, x)
+    return host.call(ff, x)
+
+
+def double_block_body(
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    x: Stream,
+    c: Stream,
+    mod_img: torch.Tensor,
+    mod_txt: torch.Tensor,
+    rope: Rope,
+    options: Options = None,
+) -> tuple[Stream, Stream]:
+    """A double block on possibly-pending streams (image x, text c); returns both FFN updates pending.
+
+    Stream by stream in diffusers' order: image attention residual, norm2, FFN residual; then the
+    same for text, whose result is clipped in fp16."""
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split_modulation(mod_img, 2)
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split_modulation(
+        mod_txt, 2
+    )
+    x_norm, x = fusion.norm(x, scale_msa, shift_msa, block.norm1.eps)
+    c_norm, c = fusion.norm(c, c_scale_msa, c_shift_msa, block.norm1_context.eps)
+    x_attn, c_attn = joint_attention(block.attn, host, fusion, x_norm, c_norm, rope, options)
+    x_norm, x = fusion.norm(fusion.add(x, x_attn, gate_msa), scale_mlp, shift_mlp, block.norm2.eps)
+    x_next = fusion.add(x, feed_forward(block.ff, host, fusion, x_norm), gate_mlp)
+    c_norm, c = fusion.norm(
+        fusion.add(c, c_attn, c_gate_msa), c_scale_mlp, c_shift_mlp, block.norm2_context.eps
+    )
+    c_next = fusion.add(c, feed_forward(block.ff_context, host, fusion, c_norm), c_gate_mlp, clip_fp16=True)
+    return x_next, c_next
+
+
+def double_block(
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    x: Stream,
+    c: Stream,
+    mod_img: torch.Tensor,
+    mod_txt: torch.Tensor,
+    rope: Rope,
+    options: Options = None,
+) -> tuple[Stream, Stream]:
+    """One double block: its body on the pending streams where the block and its norms are plain,
+    else the host's call of the block on the streams materialized (hooks see real tensors)."""
+    if host.plain(block) and layer_norms_plain(host, block, DOUBLE_NORMS):
+        return double_block_body(block, host, fusion, x, c, mod_img, mod_txt, rope, options)
+    c_out, x_out = host.call(
+        block,
+        hidden_states=materialize(x),
+        encoder_hidden_states=materialize(c),
+        temb_mod_img=mod_img,
+        temb_mod_txt=mod_txt,
+        image_rotary_emb=rope,
+        joint_attention_kwargs=options,
+    )
+    return x_out, c_out
+
+
+def single_block_body(
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    h: Stream,
+    mod: torch.Tensor,
+    rope: Rope,
+    options: Options = None,
+    text_tokens: int = 0,
+) -> Stream:
+    """A single block on a possibly-pending joint stream; returns its update pending (clipped in fp16)."""
+    ((shift, scale, gate),) = split_modulation(mod, 1)
+    h_norm, h = fusion.norm(h, scale, shift, block.norm.eps)
+    update = single_attention(block.attn, host, fusion, h_norm, rope, options, text_tokens)
+    return fusion.add(h, update, gate, clip_fp16=True)
+
+
+def single_block(
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    h: Stream,
+    mod: torch.Tensor,
+    rope: Rope,
+    options: Options = None,
+    text_tokens: int = 0,
+) -> Stream:
+    """One single block, chosen like `double_block`; `text_tokens` leads the joint rows."""
+    if host.plain(block) and layer_norms_plain(host, block, ("norm",)):
+        return single_block_body(block, host, fusion, h, mod, rope, options, text_tokens)
+    return host.call(
+        block,
+        hidden_states=materialize(h),
+        encoder_hidden_states=None,
+        temb_mod=mod,
+        image_rotary_emb=rope,
+        joint_attention_kwargs=options,
+    )
+
+
+def output_norm_body(
+    norm_out: nn.Module, host: Host, fusion: Fusion, x: Stream, temb: torch.Tensor
+) -> torch.Tensor:
+    """AdaLayerNormContinuous as FLUX.2 uses it: its own Linear on silu(temb), cast to the stream's
+    dtype, gives (scale, shift) - scale FIRST, unlike the blocks' (shift, scale, gate) - around an
+    affine-free LayerNorm of a stream nothing reads afterwards."""
+    scale, shift = host.linear(norm_out.linear, F.silu(temb).to(stream_dtype(x))).chunk(2, dim=1)
+    return fusion.output_norm(x, scale[:, None, :], shift[:, None, :], norm_out.norm.eps)
+
+
+def output_norm(
+    norm_out: nn.Module, host: Host, fusion: Fusion, x: Stream, temb: torch.Tensor
+) -> torch.Tensor:
+    """The output norm: its body where it, its LayerNorm and its SiLU (where it has one as a module)
+    are plain, else its own call on the stream materialized."""
+    silu = getattr(norm_out, "silu", None)
+    if (
+        host.plain(norm_out)
+        and layer_norms_plain(host, norm_out, ("norm",))
+        and (silu is None or host.plain(silu))
+    ):
+        return output_norm_body(norm_out, host, fusion, x, temb)
+    return host.call(norm_out, materialize(x), temb)
+
+
+def joint_rope(
+    pos_embed: nn.Module, host: Host, img_ids: torch.Tensor, txt_ids: torch.Tensor, device: torch.device
+) -> Rope:
+    """Joint RoPE tables, text rows first, built where the ids live and then moved to `device`.
+
+    Batched ids [B, S, n_axes] use the first batch element's ids, as diffusers does.
+    """
+    img_cos, img_sin = host.call(pos_embed, img_ids[0] if img_ids.ndim == 3 else img_ids)
+    txt_cos, txt_sin = host.call(pos_embed, txt_ids[0] if txt_ids.ndim == 3 else txt_ids)
+    return torch.cat([txt_cos, img_cos]).to(device), torch.cat([txt_sin, img_sin]).to(device)
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """What every block reads besides the streams: the scaled timestep and guidance, the time
+    embedding, the three modulations, the embedded streams and the joint RoPE tables."""
+
+    timestep: torch.Tensor
+    guidance: torch.Tensor | None
+    temb: torch.Tensor
+    mod_img: torch.Tensor
+    mod_txt: torch.Tensor
+    mod_single: torch.Tensor
+    x: torch.Tensor
+    c: torch.Tensor
+    rope: Rope
+
+
+# Turns (scaled timestep, scaled guidance, image modulation, joint modulation) into the two
+# modulations the blocks use: a host's per-token blend (KV extraction's reference rows).
+Blend = Callable[
+    [torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
+
+
+def conditioning(
+    model: nn.Module,
+    host: Host,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    img_ids: torch.Tensor,
+    txt_ids: torch.Tensor,
+    guidance: torch.Tensor | None,
+    blend: Blend | None = None,
+) -> Conditioning:
+    """diffusers' preamble: timestep and guidance cast to the input dtype and x1000, the time
+    embedding, the modulations computed once (then `blend`, where diffusers computes it), the input
+    and context embedders, the RoPE tables; modules called in diffusers' order."""
+    timestep = timestep.to(hidden_states.dtype) * 1000
+    if guidance is not None:
+        guidance = guidance.to(hidden_states.dtype) * 1000
+    temb = host.call(model.time_guidance_embed, timestep, guidance)
+    mod_img = host.call(model.double_stream_modulation_img, temb)
+    mod_txt = host.call(model.double_stream_modulation_txt, temb)
+    mod_single = host.call(model.single_stream_modulation, temb)
+    if blend is not None:
+        mod_img, mod_single = blend(timestep, guidance, mod_img, mod_single)
+    return Conditioning(
+        timestep=timestep,
+        guidance=guidance,
+        temb=temb,
+        mod_img=mod_img,
+        mod_txt=mod_txt,
+        mod_single=mod_single,
+        x=host.linear(model.x_embedder, hidden_states),
+        c=host.linear(model.context_embedder, encoder_hidden_states),
+        rope=joint_rope(model.pos_embed, host, img_ids, txt_ids, hidden_states.device),
+    )
+
+
+def transformer(
+    model: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    cond: Conditioning,
+    *,
+    leading_rows: int,
+    double_options: Iterable[Options] | None = None,
+    single_options: Iterable[Options] | None = None,
+) -> torch.Tensor:
+    """The blocks and the output in diffusers' order: double blocks, the text-first concat, single
+    blocks, the output norm of the rows after the first `leading_rows` (the text, and in KV
+    extraction the reference rows too) and the output projection. Streams stay pending between
+    plain blocks; `double_options` / `single_options` are each block's attention arguments."""
+    x: Stream = cond.x
+    c: Stream = cond.c
+    text_tokens = cond.c.shape[1]
+    for block, options in zip(
+        model.transformer_blocks, double_options or itertools.repeat(None), strict=False
+    ):
+        x, c = double_block(block, host, fusion, x, c, cond.mod_img, cond.mod_txt, cond.rope, options)
+    h: Stream = PendingConcat(c, x)
+    for block, options in zip(
+        model.single_transformer_blocks, single_options or itertools.repeat(None), strict=False
+    ):
+        h = single_block(block, host, fusion, h, cond.mod_single, cond.rope, options, text_tokens)
+    out = output_norm(model.norm_out, host, fusion, stream_rows(h, leading_rows), cond.temb)
+    return host.linear(model.proj_out, out)
