@@ -12,7 +12,8 @@
 # Run from the repository root. .whl/ holds cp312 wheels of what the GPU image lacks (apache-tvm-ffi,
 # diffusers), downloaded with `pip download --only-binary=:all: --python-version 3.12 ...`.
 # The baseline-* steps run the same benchmark from .baseline/python (an earlier tree, e.g.
-# `git archive <commit> python | tar -x -C .baseline`), for before/after numbers in one session.
+# `git archive <commit> python | tar -x -C .baseline`), for before/after numbers in one session; the
+# benchmarks run as `python3 -m flux2_fused step|kernel|pipeline`, which every tree since 83ff1a3 has.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/python PYTHONUNBUFFERED=1 FLUX2_FUSED_CACHE_DIR=/tmp/flux2-cache
@@ -21,7 +22,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, tvm_ffi; print('torch', torch.__version__, 'tvm_ffi', tvm_ffi.__version__, 'gpus', torch.cuda.device_count())"
 # One step benchmark run: a name for its log and JSON, then its options.
-step_bench() { local name=$1; shift; python3 -m flux2_fused.bench.step --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"; }
+step_bench() { local name=$1; shift; python3 -m flux2_fused step --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"; }
 baseline() { PYTHONPATH=/tmp/site:$PWD/.baseline/python FLUX2_FUSED_CACHE_DIR=/tmp/flux2-cache-baseline "$@"; }
 rc=0
 for step in "$@"; do
@@ -30,8 +31,8 @@ for step in "$@"; do
     ops-tests) python3 -m pytest -q -x test/ops -m gpu 2>&1 | tee "$OUT/ops-tests.log" | tail -15 || rc=1 ;;
     model-tests) python3 -m pytest -q test/models test/integrations test/bench -m gpu 2>&1 | tee "$OUT/model-tests.log" | tail -15 || rc=1 ;;
     verify) python3 -m flux2_fused verify 2>&1 | tee "$OUT/verify.log" | tail -20 || rc=1 ;;
-    kernel-bench) python3 -m flux2_fused.bench.kernel --json "$OUT/kernel.json" ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/kernel-bench.log" || rc=1 ;;
-    step-bench) python3 -m flux2_fused.bench.step --json "$OUT/step.json" ${STEP_BENCH_ARGS:-} 2>&1 | tee "$OUT/step-bench.log" || rc=1 ;;
+    kernel-bench) python3 -m flux2_fused kernel --json "$OUT/kernel.json" ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/kernel-bench.log" || rc=1 ;;
+    step-bench) python3 -m flux2_fused step --json "$OUT/step.json" ${STEP_BENCH_ARGS:-} 2>&1 | tee "$OUT/step-bench.log" || rc=1 ;;
     diffusers-step-bench)
       step_bench step-klein-package --configs klein-4b || rc=1
       step_bench step-klein-diffusers --configs klein-4b --host diffusers || rc=1
@@ -41,9 +42,9 @@ for step in "$@"; do
     diffusers-step-bench-dev)
       step_bench step-dev-package --configs dev || rc=1
       step_bench step-dev-diffusers --configs dev --host diffusers || rc=1 ;;
-    pipeline-bench) python3 -m flux2_fused.bench.pipeline --json "$OUT/pipeline.json" ${PIPELINE_BENCH_ARGS:-} 2>&1 | tee "$OUT/pipeline-bench.log" || rc=1 ;;
-    baseline-kernel-bench) baseline python3 -m flux2_fused.bench.kernel ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/baseline-kernel-bench.log" || rc=1 ;;
-    baseline-step-bench) baseline python3 -m flux2_fused.bench.step ${STEP_BENCH_ARGS:-} 2>&1 | tee "$OUT/baseline-step-bench.log" || rc=1 ;;
+    pipeline-bench) python3 -m flux2_fused pipeline --json "$OUT/pipeline.json" ${PIPELINE_BENCH_ARGS:-} 2>&1 | tee "$OUT/pipeline-bench.log" || rc=1 ;;
+    baseline-kernel-bench) baseline python3 -m flux2_fused kernel ${KERNEL_BENCH_ARGS:-} 2>&1 | tee "$OUT/baseline-kernel-bench.log" || rc=1 ;;
+    baseline-step-bench) baseline python3 -m flux2_fused step ${STEP_BENCH_ARGS:-} 2>&1 | tee "$OUT/baseline-step-bench.log" || rc=1 ;;
     parallel-bench)
       for config in ${PARALLEL_CONFIGS:-klein-4b dev}; do
         for plan in ${PARALLEL_PLANS:-ulysses=2 ring=2 tp=2}; do

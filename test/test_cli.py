@@ -1,5 +1,6 @@
 """CPU tests of the `flux2-fused` command: bench at the tiny config, its JSON and PNG, every error path,
-and the GPU-only commands' refusals. Timings are printed, never asserted."""
+the GPU-only commands' refusals, and a --help that imports no torch. Timings are printed, never
+asserted."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from flux2_fused.bench.report import (
     Timing,
     VerifyRow,
 )
-from flux2_fused.cli import build_parser, main
+from flux2_fused.cli import PROG, Parser, build_parser, main
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 from flux2_fused.models.weights import WeightsError
 from flux2_fused.ops import OPS, jit
@@ -175,9 +176,19 @@ def test_plot_is_a_png_matplotlib_reads(tiny_run: dict) -> None:
 def test_default_bench_picks_tiny_on_the_cpu() -> None:
     code, out, err = run_cli(["bench"])
     assert code == 0, err
-    assert "flux2-fused: no CUDA GPU: the fused path needs one" in err
+    assert re.search(
+        r"^flux2-fused: the fast path is off here \(.*CUDA.*\): both modes run eager PyTorch$", err, re.M
+    )
     assert "flux2-fused bench: tiny" in out and f"{denoise.CPU_SIDE}x{denoise.CPU_SIDE} px" in out
     assert "bit-exact: yes" in out
+
+
+@no_cuda
+def test_the_cpu_warm_up_says_both_modes_are_eager(tiny_run: dict) -> None:
+    """Nothing is built on the CPU: the fused warm-up must not claim a kernel build or load."""
+    warmup = next(line for line in tiny_run["err"].splitlines() if "warm-up step, fused" in line)
+    assert warmup.endswith(" (the fast path is off here: the same eager PyTorch as the eager mode)")
+    assert "builds or loads" not in tiny_run["err"]
 
 
 @no_cuda
@@ -192,12 +203,40 @@ def test_a_cpu_run_that_cannot_fit_is_refused_up_front(monkeypatch: pytest.Monke
     ), err
 
 
+def _estimate(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Make the CPU run's time estimate `seconds`, without measuring this CPU."""
+    monkeypatch.setattr(denoise, "cpu_seconds", lambda *args: (seconds, "made up for the test"))
+
+
 @no_cuda
 def test_a_slow_cpu_run_is_announced_with_an_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(denoise, "cpu_flops_per_s", lambda dtype: 1e6)  # a very slow CPU
+    _estimate(monkeypatch, 10 * 60)
     code, _out, err = run_cli(["bench", *TINY_ARGS])
     assert code == 0, err
-    assert re.search(r"^flux2-fused: estimate: this run takes roughly \d+ min on this CPU", err, re.MULTILINE)
+    assert re.search(r"^flux2-fused: estimate: this run takes roughly 10 min on this CPU", err, re.MULTILINE)
+
+
+@no_cuda
+def test_a_cpu_run_over_an_hour_is_refused_without_allow_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+    _estimate(monkeypatch, 37 * 3600)
+    code, out, err = run_cli(["bench", *TINY_ARGS])
+    assert (
+        code == 2
+        and out == ""
+        and err
+        == (
+            "flux2-fused: error: --config tiny in fp32 would take roughly 37.0 h on this CPU (an estimate: "
+            "made up for the test); --config tiny takes seconds, --allow-slow starts it anyway\n"
+        )
+    )
+
+
+@no_cuda
+def test_allow_slow_starts_a_run_over_an_hour(monkeypatch: pytest.MonkeyPatch) -> None:
+    _estimate(monkeypatch, 37 * 3600)
+    code, out, err = run_cli(["bench", *TINY_ARGS, "--allow-slow"])
+    assert code == 0 and "bit-exact: yes" in out, err
+    assert "flux2-fused: estimate: this run takes roughly 37.0 h on this CPU" in err
 
 
 @no_cuda
@@ -230,13 +269,29 @@ def test_entry_point_python_m() -> None:
     assert "bit-exact: yes" in proc.stdout
 
 
-@pytest.mark.parametrize("command", ["step", "pipeline", "kernel"])
-def test_benchmark_modules_run_as_their_command(command: str) -> None:
-    module = f"flux2_fused.bench.{command}"
+# What `flux2-fused --help` may import of the package: the command line and its torch-free options.
+HELP_MODULES = {"flux2_fused", "flux2_fused.cli", "flux2_fused.bench", "flux2_fused.bench.options"}
+HELP_MODULES |= {"flux2_fused.errors", "flux2_fused.__main__"}
+
+
+@pytest.mark.parametrize(
+    "command", [[], ["bench"], ["step"], ["pipeline"], ["kernel"], ["verify"], ["build"]]
+)
+def test_help_imports_no_torch(command: list[str]) -> None:
+    """--help answers at once: no torch, diffusers or benchmark module is imported to print it (-X
+    importtime lists every module imported, one a line, its name last)."""
     proc = subprocess.run(
-        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, env=SUBPROCESS_ENV
+        [sys.executable, "-X", "importtime", "-m", "flux2_fused", *command, "--help"],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=60,
     )
-    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: flux2-fused {command} "), proc.stderr
+    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: {' '.join([PROG, *command])} ")
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "flux2_fused.cli" in imported  # the list was read
+    assert not imported & {"torch", "diffusers", "numpy"}
+    assert {name for name in imported if name.startswith("flux2_fused")} <= HELP_MODULES
 
 
 def test_bench_from_a_weights_folder(tmp_path: Path) -> None:
@@ -323,24 +378,101 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["bench", "--config", "huge"], "invalid choice: 'huge'"),
-        (["bench", "--config", "tiny", "--weights", "w"], "not allowed with argument"),
+        (
+            ["bench", "--config", "klein4b"],
+            "argument --config: invalid choice: 'klein4b' (choose from dev, klein-4b, klein-9b, tiny)",
+        ),
+        (
+            ["bench", "--config", "tiny", "--weights", "w"],
+            "argument --weights: not allowed with argument --config",
+        ),
         (["bench", "--frobnicate"], "unrecognized arguments: --frobnicate"),
-        (["build", "--arch", "hopper"], "unrecognized CUDA architecture 'hopper'"),
-        ([], "the following arguments are required"),
+        (["bench", "--steps", "two"], "argument --steps: invalid int value: 'two'"),
+        (
+            ["bench", "--dtype", "fp8"],
+            "argument --dtype: invalid choice: 'fp8' (choose from bf16, fp16, fp32)",
+        ),
+        (
+            ["step", "--configs", "tiny"],
+            "argument --configs: invalid choice: 'tiny' (choose from dev, klein-4b, klein-9b)",
+        ),
+        (["step", "--configs"], "argument --configs: expected at least one argument"),
+        (
+            ["step", "--host", "comfy"],
+            "argument --host: invalid choice: 'comfy' (choose from package, diffusers)",
+        ),
+        (
+            ["pipeline", "--configs", "dev"],
+            "argument --configs: invalid choice: 'dev' (choose from klein-4b, klein-9b)",
+        ),
+        (
+            ["kernel", "--op", "rmsnorm"],
+            "argument --op: invalid choice: 'rmsnorm' (choose from gated_resnorm, qk_norm_rope, swiglu)",
+        ),
+        (["kernel", "--shapes"], "argument --shapes: expected at least one argument"),
+        (["verify", "--all"], "unrecognized arguments: --all"),
+        (["build", "--arch"], "argument --arch: expected at least one argument"),
+        (
+            ["build", "--arch", "hopper"],
+            "argument --arch: unrecognized CUDA architecture 'hopper' (expected e.g. 9.0, 10.0, sm_90)",
+        ),
+        (
+            ["frobnicate"],
+            "argument {bench,step,pipeline,kernel,verify,build}: invalid choice: 'frobnicate' "
+            "(choose from bench, step, pipeline, kernel, verify, build)",
+        ),
+        ([], "the following arguments are required: {bench,step,pipeline,kernel,verify,build}"),
     ],
-    ids=["unknown-config", "config-and-weights", "unknown-option", "bad-arch", "no-command"],
+    ids=[
+        "unknown-config",
+        "config-and-weights",
+        "unknown-option",
+        "not-a-number",
+        "unknown-dtype",
+        "step-config",
+        "step-no-configs",
+        "step-host",
+        "pipeline-config",
+        "kernel-op",
+        "kernel-no-shapes",
+        "verify-option",
+        "build-no-arch",
+        "bad-arch",
+        "unknown-command",
+        "no-command",
+    ],
 )
-def test_usage_errors_exit_2(args: list[str], message: str) -> None:
-    code, _out, err = run_cli(args)
-    assert code == 2 and message in err
+def test_usage_errors_are_one_line_and_exit_2(args: list[str], message: str) -> None:
+    """argparse's own errors too: one line naming the choices where there are choices, no usage."""
+    code, out, err = run_cli(args)
+    assert (code, out, err) == (2, "", f"flux2-fused: error: {message}\n")
+
+
+def test_choices_read_alike_on_every_python() -> None:
+    """Python before 3.12.8 quotes each choice in argparse's message, later ones do not: one form."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
+        Parser(prog="flux2-fused x").error("argument --op: invalid choice: 'a' (choose from 'b', 'c')")
+    assert exit_info.value.code == 2
+    assert err.getvalue() == "flux2-fused: error: argument --op: invalid choice: 'a' (choose from b, c)\n"
 
 
 @pytest.mark.parametrize("debug_first", [True, False], ids=["before-command", "after-command"])
-def test_debug_raises_the_exception(tmp_path: Path, debug_first: bool) -> None:
+def test_debug_shows_the_traceback_with_the_same_exit_status(tmp_path: Path, debug_first: bool) -> None:
     bench = ["bench", "--weights", str(tmp_path / "missing")]
-    with pytest.raises(WeightsError, match="does not exist"):
-        main(["--debug", *bench] if debug_first else [*bench, "--debug"])
+    code, out, err = run_cli(["--debug", *bench] if debug_first else [*bench, "--debug"])
+    assert code == 2 and out == "" and err.startswith("Traceback (most recent call last):")
+    raised = re.escape(f"{WeightsError.__module__}.{WeightsError.__qualname__}")
+    assert re.search(rf"^{raised}: .*does not exist", err, re.MULTILINE), err
+
+
+@no_cuda
+@pytest.mark.parametrize("debug", [[], ["--debug"]], ids=["plain", "debug"])
+def test_verify_without_cuda_exits_2_with_or_without_debug(debug: list[str]) -> None:
+    code, out, err = run_cli([*debug, "verify"])
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1].endswith("verify needs a CUDA GPU and none is available")
+    assert ("Traceback" in err) == bool(debug)
 
 
 @pytest.mark.parametrize(
@@ -363,6 +495,10 @@ def test_runtime_errors_are_one_line(monkeypatch: pytest.MonkeyPatch, exc: Excep
     last = err.strip().splitlines()[-1]
     assert code == 1 and last.startswith("flux2-fused: error: ") and message in last
     assert "Traceback" not in err
+    code, _out, err = run_cli(["--debug", "bench", *TINY_ARGS])
+    assert (
+        code == 1 and "Traceback" in err and err.strip().splitlines()[-1].endswith(str(exc).splitlines()[-1])
+    )
 
 
 def test_a_difference_between_the_modes_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -567,6 +703,29 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         (["pipeline", "--pairs", "0"], None, "--pairs must be at least 1, got 0"),
         (["pipeline", "--txt-tokens", "0"], None, "--txt-tokens must be at least 1, got 0"),
         (["pipeline"], "no diffusers", "the pipeline benchmark: diffusers is not installed"),
+        (["step", "--batch", "0"], None, "--batch must be at least 1, got 0"),
+        (["step", "--img-tokens", "0"], None, "--img-tokens must be at least 1, got 0"),
+        (["step", "--txt-tokens", "-5"], None, "--txt-tokens must be at least 1, got -5"),
+        (["step", "--json", "/no-such-folder/s.json"], None, "folder /no-such-folder does not exist"),
+        (["pipeline", "--json", "/no-such-folder/p.json"], None, "folder /no-such-folder does not exist"),
+        (
+            ["kernel", "--shapes", "6144x"],
+            None,
+            "--shapes '6144x': --op gated_resnorm takes DxT (hidden x tokens, e.g. 6144x4608), whole "
+            "numbers of at least 1",
+        ),
+        (["kernel", "--shapes", "6144x4608", "0x512"], None, "--shapes '0x512': --op gated_resnorm takes"),
+        (["kernel", "--shapes", "6144x4608:single"], None, "--shapes '6144x4608:single': --op gated_resnorm"),
+        (
+            ["kernel", "--op", "qk_norm_rope", "--shapes", "24x4608:double"],
+            None,
+            "--op qk_norm_rope takes HxT or HxT:single",
+        ),
+        (["kernel", "--op", "swiglu", "--shapes", "big"], None, "--shapes 'big': --op swiglu takes HxT"),
+        (["kernel", "--batch", "0"], None, "--batch must be at least 1, got 0"),
+        (["kernel", "--json", "/no-such-folder/k.json"], None, "folder /no-such-folder does not exist"),
+        (["build", "--arch", "9.0", "7.5"], None, "sm 7.5 is not supported"),
+        (["bench", "--parallel", "ring=2", "--config", "dev"], None, "--parallel ring=2 needs 2 CUDA GPUs"),
     ],
     ids=[
         "lora-without-diffusers-host",
@@ -582,13 +741,29 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         "pipeline-pairs",
         "pipeline-txt-tokens",
         "pipeline-no-diffusers",
+        "step-batch",
+        "step-img-tokens",
+        "step-txt-tokens",
+        "step-json",
+        "pipeline-json",
+        "kernel-shape",
+        "kernel-zero",
+        "kernel-layout",
+        "kernel-qk-layout",
+        "kernel-swiglu-shape",
+        "kernel-batch",
+        "kernel-json",
+        "build-arch",
+        "parallel-before-cpu-estimate",
     ],
 )
-def test_diffusers_host_arguments_are_checked_before_the_gpu(
+def test_arguments_are_checked_before_the_machine(
     args: list[str], environment: str | None, message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Options that cannot go together, or that this environment cannot run, are one line and exit 2
-    on any machine, before the CUDA check and before any model is built."""
+    """Options that cannot go together, values the run cannot use, unwritable outputs, or options this
+    environment cannot run, are one line and exit 2 on any machine, before the CUDA check and before
+    any model is built (`bench --parallel` on the CPU: before the CPU's memory and time estimate,
+    which is no concern of a multi-GPU run)."""
     if environment == "diffusers 0.50":
         _diffusers_version("0.50.0", monkeypatch)
     elif environment is not None:

@@ -4,12 +4,16 @@
 their benchmarks on a CUDA GPU; `verify` runs every op's bit-exactness self-check for the configurations
 the op lists (`ops.OPS`); `build` compiles every op's kernel without a GPU. They sit here, outside
 `bench`, so that the benchmarks and the plot never import each other and the command line only
-parses.
+parses (and imports no torch: cli imports this module once the arguments parse).
+
+Each command checks all its arguments and output paths first, then the machine (a CUDA GPU, memory,
+the CPU's speed, optional packages), then works: a wrong option is reported as such on any machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import subprocess
 import sys
 import time
@@ -19,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .bench import denoise, parallel, plot
+from .bench import denoise, kernel, parallel, pipeline, plot, step
 from .bench.report import (
     ParallelResult,
     VerifyRow,
@@ -32,8 +36,8 @@ from .bench.report import (
 from .errors import BadValue, CommandError, NeedsCuda
 from .models.weights import WeightsError
 from .ops import OPS, jit
+from .ops.runtime import MIN_CAPABILITY
 
-MIN_ARCH = 8  # the kernels use sm_80 instructions (bf16 pair math): major 8 or newer
 # The errors a command reports as a plain line; anything else is called unexpected.
 EXPECTED_ERRORS = (CommandError, WeightsError, jit.BuildError, OSError)
 
@@ -42,6 +46,17 @@ def exit_code(exc: BaseException) -> int:
     """The exit status of a failed command: 2 when the arguments ask for what cannot be done (a
     --weights folder that is not a usable FLUX.2 transformer among them), 1 for a failure while running."""
     return 2 if isinstance(exc, WeightsError) else getattr(exc, "exit_code", 1)
+
+
+def one_line(exc: BaseException) -> str:
+    """The error as one line; the rest of a multi-line message (a compiler log) is left to --debug."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    more = f" (+{len(lines) - 1} more lines; --debug shows them)" if len(lines) > 1 else ""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return f"out of GPU memory: {lines[0]}{more}; try a smaller --config, --height/--width or --batch"
+    if isinstance(exc, EXPECTED_ERRORS):
+        return lines[0] + more
+    return f"{type(exc).__name__}: {lines[0]}{more} (unexpected; --debug shows the traceback)"
 
 
 def require_cuda(what: str) -> torch.device:
@@ -54,13 +69,36 @@ def require_cuda(what: str) -> torch.device:
 # --------------------------------------------------------------------------- benchmarks
 
 
+def bench(args: argparse.Namespace) -> int:
+    """`flux2-fused bench`, on one device or (`--parallel`) under a multi-GPU plan."""
+    request = denoise.BenchRequest(
+        config=args.config,
+        weights=args.weights,
+        height=args.height,
+        width=args.width,
+        steps=args.steps,
+        batch=args.batch,
+        text_tokens=args.text_tokens,
+        seed=args.seed,
+        dtype=args.dtype,
+    )
+    if args.parallel is not None:
+        return parallel_command(request, args)
+    return bench_command(request, args.json, args.plot, args.allow_slow)
+
+
 def bench_command(
-    request: denoise.BenchRequest, json_path: Path | None = None, plot_path: Path | None = None
+    request: denoise.BenchRequest,
+    json_path: Path | None = None,
+    plot_path: Path | None = None,
+    allow_slow: bool = False,
 ) -> int:
-    """`flux2-fused bench`: plan, run, print the summary, write the files; 1 when not bit-exact."""
+    """`flux2-fused bench`: the arguments (output paths, then the plan), the machine (matplotlib for
+    --plot, the CPU's memory and speed), then run, print the summary, write the files; 1 when not
+    bit-exact."""
     check_output("--json", json_path)
     check_output("--plot", plot_path, suffix=".png")
-    p = denoise.plan(request)
+    p = denoise.check_cpu_run(denoise.plan(request), allow_slow)
     if plot_path is not None:
         plot.require_matplotlib()
     for note in p.notes:
@@ -127,15 +165,14 @@ def parallel_command(request: denoise.BenchRequest, args: argparse.Namespace) ->
 
 def gpu_benchmark_command(
     what: str,
+    check: Callable[[argparse.Namespace], None],
     run: Callable[[argparse.Namespace], int],
     args: argparse.Namespace,
-    check: Callable[[argparse.Namespace], None] | None = None,
 ) -> int:
     """`flux2-fused step`, `pipeline` and `kernel`: refuse bad arguments (`check`, which raises
     BadValue), then refuse without a CUDA GPU, else run the benchmark. Arguments first, so a wrong
     option is reported as such on any machine."""
-    if check is not None:
-        check(args)
+    check(args)
     require_cuda(what)
     return run(args)
 
@@ -171,12 +208,17 @@ def verify_command() -> int:
 
 
 def parse_arch(text: str) -> str:
-    """A --arch value in tvm-ffi's 'M.m[a]' form; ValueError when unrecognizable or too old, so the
+    """A --arch value in tvm-ffi's 'M.m[a]' form; BadValue when unrecognizable or too old, so the
     user hears it before a build that nvcc would fail many lines later."""
-    arch = jit.normalize_arch(text)
-    if int(arch.split(".")[0]) < MIN_ARCH:
-        raise ValueError(
-            f"sm {arch} is not supported: the kernels need sm_{MIN_ARCH}0 ({MIN_ARCH}.0) or newer"
+    try:
+        arch = jit.normalize_arch(text)
+    except ValueError as exc:
+        raise BadValue(f"argument --arch: {exc}") from exc
+    if tuple(int(part) for part in arch.removesuffix("a").split(".")) < MIN_CAPABILITY:
+        major, minor = MIN_CAPABILITY
+        raise BadValue(
+            f"argument --arch: sm {arch} is not supported: the kernels need sm_{major}{minor} "
+            f"({major}.{minor}) or newer"
         )
     return arch
 
@@ -188,13 +230,15 @@ def default_archs() -> list[str]:
     return ["9.0", "10.0"]
 
 
-def build_command(archs: Sequence[str]) -> int:
-    """`flux2-fused build`: compile (or find cached) every op's library for each architecture and
+def build_command(arch_texts: Sequence[str] | None = None) -> int:
+    """`flux2-fused build`: compile (or find cached) every op's library for each architecture given
+    (checked, all of them, before the first build), else this GPU's or Hopper's and Blackwell's, and
     print its path.
 
     One library per op and architecture, not one fat binary, because that is what the runtime loads
     (`jit.load_module(spec, arch)`): this fills exactly the cache entries a later run looks up.
     """
+    archs = [parse_arch(text) for text in arch_texts] if arch_texts else default_archs()
     for arch in archs:
         for op in OPS:
             cached = jit.is_cached(op.spec, [arch])
@@ -206,3 +250,18 @@ def build_command(archs: Sequence[str]) -> int:
             print(f"flux2-fused: {op.name} for sm {arch}: {how}", file=sys.stderr)
             print(f"{arch} {op.name}: {lib}")
     return 0
+
+
+# --------------------------------------------------------------------------- dispatch
+
+# What `flux2-fused NAME` runs, by NAME, given the parsed arguments.
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "bench": bench,
+    "step": functools.partial(gpu_benchmark_command, "the step benchmark", step.check, step.run),
+    "pipeline": functools.partial(
+        gpu_benchmark_command, "the pipeline benchmark", pipeline.check, pipeline.run
+    ),
+    "kernel": functools.partial(gpu_benchmark_command, "the kernel benchmark", kernel.check, kernel.run),
+    "verify": lambda _args: verify_command(),
+    "build": lambda args: build_command(args.arch),
+}

@@ -1,5 +1,5 @@
 """The multi-GPU benchmark's CPU-side parts: the plan, the inputs every rank draws, the relaunch
-command and the table. Its GPU job runs in test/integrations/test_parallel_gpu.py."""
+command and the table. Its GPU job runs in test/integrations/diffusers/test_parallel_gpu.py."""
 
 from __future__ import annotations
 

@@ -13,16 +13,18 @@ sigma, and a linear schedule needs no resolution-dependent shift). Each step is
 the Euler update `x = x + (sigma_{i+1} - sigma_i) * v`, computed in fp32 and rounded to the model
 dtype, as diffusers' FlowMatchEulerDiscreteScheduler does.
 
-Timing: one untimed warm-up step per mode first (the fused mode's first call builds or loads the
-CUDA kernel and self-checks it against eager). The two loops then advance in alternation, step i of
-one mode next to step i of the other (the order swapping every step), so clock and thermal drift hit
-both alike; each step is timed with CUDA events (perf_counter on the CPU). One extra step per mode
-runs under torch.profiler to count launches and split kernel time by site: `fused` (our
-gated_resnorm_kernel), `norm` (LayerNorm / RMSNorm kernels), `elementwise` (aten's elementwise
-kernels, among them the gated adds and modulations the fused kernel replaces) and `other` (GEMMs,
-attention, copies, ...). On the CPU the same split is made over aten ops (self CPU time by op name)
-and the launch count is the number of aten ops, nested ones included. Verdict: the final latents of
-the two loops are bit-exact when `torch.equal` holds and their bytes have the same SHA-256.
+Timing: one untimed warm-up step per mode first (where the fast path is on, the fused mode's first
+call builds or loads the CUDA kernels and self-checks them against eager; where it is off, on the
+CPU among others, the fused mode runs the same eager PyTorch as the eager mode). The two loops then
+advance in alternation, step i of one mode next to step i of the other (the order swapping every
+step), so clock and thermal drift hit both alike; each step is timed with CUDA events (perf_counter
+on the CPU). One extra step per mode runs under torch.profiler to count launches and split kernel
+time by site: `fused` (our gated_resnorm_kernel), `norm` (LayerNorm / RMSNorm kernels),
+`elementwise` (aten's elementwise kernels, among them the gated adds and modulations the fused
+kernel replaces) and `other` (GEMMs, attention, copies, ...). On the CPU the same split is made over
+aten ops (self CPU time by op name) and the launch count is the number of aten ops, nested ones
+included. Verdict: the final latents of the two loops are bit-exact when `torch.equal` holds and
+their bytes have the same SHA-256.
 
 The report's figures (and JSON fields) are documented on `report.BenchReport`; the command that
 plans, runs, prints and writes them is `flux2_fused.commands.bench_command`.
@@ -38,7 +40,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TextIO, TypeVar
 
@@ -51,8 +53,17 @@ from .. import __version__
 from ..errors import BadValue
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from ..models.weights import CONFIG_NAME, WeightsError, read_config, shard_files
-from ..ops import DISABLE_ENV, kill_switch, self_check_records
-from ..ops.gated_resnorm import SUPPORTED_DTYPES
+from ..ops import fast_path_reason, self_check_records
+from ..ops.runtime import MIN_CAPABILITY
+from .options import (
+    CPU_SIDE,
+    DEFAULT_STEPS,
+    DEFAULT_TEXT_TOKENS,
+    GPU_SIDE,
+    PX_PER_TOKEN,
+    check_side,
+    require_at_least_one,
+)
 from .report import MODES, SITES, BenchReport, ModeResult
 from .step import FUSED_KERNELS, tensor_sha256
 from .timing import event_ms
@@ -61,17 +72,13 @@ T = TypeVar("T")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PRESETS = tuple(Flux2Config.PRESETS)
-PX_PER_TOKEN = 16  # the VAE downsamples 8x and FLUX.2 packs 2x2 latent pixels into a token
 GUIDANCE = 4.0
-GPU_SIDE, CPU_SIDE = 1024, 256  # default image side in pixels
-DEFAULT_STEPS = 4
-DEFAULT_TEXT_TOKENS = 512
-MIN_FUSED_CAPABILITY = (8, 0)
 # Activation memory of a dev forward (D = 6144, bf16), about 10 GB at 1024x1024 (4608 joint tokens);
 # other shapes scale it by tokens, D and element size.
 ACTIVATION_BYTES_PER_TOKEN = 10e9 / 4608
 _DEV_DIM, _DEV_ITEMSIZE = 6144, 2
 SLOW_CPU_RUN_S = 60  # a CPU run estimated to take longer gets a warning before it starts
+MAX_CPU_RUN_S = 3600  # one estimated to take longer is refused unless --allow-slow
 PIPELINE_INDEX = "model_index.json"  # marks a diffusers pipeline folder, one subfolder a component
 TRANSFORMER_CLASS = "Flux2Transformer2DModel"  # config.json's _class_name in a FLUX.2 transformer folder
 # Kernel names on the GPU, aten op names on the CPU; the first pattern that matches names the site.
@@ -118,7 +125,7 @@ class Plan:
     seed: int
     dtype: torch.dtype
     fused: bool  # `model.fused` in the fused mode
-    fused_off_reason: str | None  # why the fast path cannot run here, None when it can
+    fast_path_off: str | None  # why the fast path cannot run here (a note), None when it can
     notes: tuple[str, ...]
 
     @property
@@ -174,26 +181,45 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
-def cpu_run_note(
-    what: str, config: Flux2Config, dtype: torch.dtype, batch: int, seq: int, steps: int
-) -> str | None:
-    """Refuse a CPU run that cannot fit in memory (BadValue, before the allocator fails half-way);
-    a note with the estimated time when it will be slow; None when it is quick."""
-    need, have = bytes_needed(config, dtype, batch * seq), available_ram_bytes()
-    if have is not None and need > have:
-        raise BadValue(
-            f"{what} in {dtype_name(dtype)} needs about {need / 1e9:.1f} GB of memory (an estimate) and "
-            f"this machine has {have / 1e9:.1f} GB available: choose a smaller --config (tiny) or a CUDA GPU"
-        )
+def cpu_seconds(
+    config: Flux2Config, dtype: torch.dtype, batch: int, seq: int, steps: int
+) -> tuple[float, str]:
+    """The estimated time of a bench run on this CPU, in s, and how it was estimated (for the notes)."""
     forwards = len(MODES) * (steps + 2)  # each mode: the warm-up, the timed steps, the profiled step
     flops, rate = forward_flops(config, batch, seq), cpu_flops_per_s(dtype)
-    seconds = forwards * flops / rate
+    how = f"{forwards} forwards of {flops / 1e12:.2f} TFLOP at a measured {rate / 1e9:.0f} GFLOP/s"
+    return forwards * flops / rate, how
+
+
+def check_cpu_run(p: Plan, allow_slow: bool = False) -> Plan:
+    """On the CPU, refuse (BadValue) a run that cannot fit in memory (before the allocator fails
+    half-way), or that would take over MAX_CPU_RUN_S unless `allow_slow` (a run of hours is more often
+    a forgotten --config than a wish); the plan with the time estimate among its notes when the run
+    will be slow. A plan for a GPU is returned as it is."""
+    if p.device.type != "cpu":
+        return p
+    what = f"--weights {p.weights}" if p.weights is not None else f"--config {preset_name(p.config)}"
+    what += f" in {dtype_name(p.dtype)}"
+    seq = p.image_tokens + p.text_tokens  # joint tokens a sample
+    need, have = bytes_needed(p.config, p.dtype, p.batch * seq), available_ram_bytes()
+    if have is not None and need > have:
+        raise BadValue(
+            f"{what} needs about {need / 1e9:.1f} GB of memory (an estimate) and this machine has "
+            f"{have / 1e9:.1f} GB available: choose a smaller --config (tiny) or a CUDA GPU"
+        )
+    seconds, how = cpu_seconds(p.config, p.dtype, p.batch, seq, p.steps)
+    if seconds > MAX_CPU_RUN_S and not allow_slow:
+        raise BadValue(
+            f"{what} would take roughly {_duration(seconds)} on this CPU (an estimate: {how}); "
+            "--config tiny takes seconds, --allow-slow starts it anyway"
+        )
     if seconds < SLOW_CPU_RUN_S:
-        return None
-    return (
-        f"estimate: this run takes roughly {_duration(seconds)} on this CPU ({forwards} forwards of "
-        f"{flops / 1e12:.2f} TFLOP at a measured {rate / 1e9:.0f} GFLOP/s); --config tiny takes seconds"
+        return p
+    note = (
+        f"estimate: this run takes roughly {_duration(seconds)} on this CPU ({how}); "
+        "--config tiny takes seconds"
     )
+    return replace(p, notes=(*p.notes, note))
 
 
 def default_config(free_bytes: int | None, tokens: int) -> str:
@@ -203,32 +229,6 @@ def default_config(free_bytes: int | None, tokens: int) -> str:
         return "tiny"
     fits = free_bytes >= bytes_needed(Flux2Config.preset("dev"), torch.bfloat16, tokens)
     return "dev" if fits else "klein-4b"
-
-
-def _check_side(name: str, value: int) -> None:
-    if value < PX_PER_TOKEN or value % PX_PER_TOKEN:
-        raise BadValue(
-            f"--{name} {value} is not a positive multiple of {PX_PER_TOKEN} "
-            f"(FLUX.2 has one latent token per {PX_PER_TOKEN}x{PX_PER_TOKEN} pixels)"
-        )
-
-
-def fused_off_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the fused path cannot run on this device in this dtype (one line), None when it can."""
-    if device.type != "cuda":
-        return "no CUDA GPU: the fused path needs one, so both modes run eager PyTorch on the CPU"
-    if torch.cuda.get_device_capability(device) < MIN_FUSED_CAPABILITY:
-        have = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        need = ".".join(map(str, MIN_FUSED_CAPABILITY))
-        return (
-            f"{torch.cuda.get_device_name(device)} has compute capability {have} and the fused kernel "
-            f"needs {need} or newer: both modes run eager"
-        )
-    if dtype not in SUPPORTED_DTYPES:
-        return "the fused kernel takes bf16 and fp16 only: with fp32 both modes run eager"
-    if kill_switch():
-        return f"{DISABLE_ENV} is set: both modes run eager"
-    return None
 
 
 def weights_config(folder: Path) -> Flux2Config:
@@ -251,14 +251,12 @@ def weights_config(folder: Path) -> Flux2Config:
 
 
 def plan(request: BenchRequest) -> Plan:
-    """Validate the request and fill in this machine's defaults; raises BadValue naming the option."""
-    for name, value in (
-        ("steps", request.steps),
-        ("batch", request.batch),
-        ("text-tokens", request.text_tokens),
-    ):
-        if value < 1:
-            raise BadValue(f"--{name} must be at least 1, got {value}")
+    """Validate the request (a --weights folder included) and fill in this machine's defaults; raises
+    BadValue naming the option. The machine is asked for defaults only: what it cannot run is
+    `check_cpu_run`'s to refuse, after every argument has been checked."""
+    require_at_least_one(
+        {"--steps": request.steps, "--batch": request.batch, "--text-tokens": request.text_tokens}
+    )
     for option, value, known in (("--config", request.config, PRESETS), ("--dtype", request.dtype, DTYPES)):
         if value is not None and value not in known:
             raise BadValue(f"unknown {option} {value!r}; choose one of {', '.join(known)}")
@@ -266,18 +264,17 @@ def plan(request: BenchRequest) -> Plan:
     side = GPU_SIDE if cuda else CPU_SIDE
     height = side if request.height is None else request.height
     width = side if request.width is None else request.width
-    _check_side("height", height)
-    _check_side("width", width)
+    check_side("--height", height)
+    check_side("--width", width)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dtype = DTYPES[request.dtype or ("bf16" if cuda else "fp32")]
     notes: list[str] = []
-    seq = height * width // PX_PER_TOKEN**2 + request.text_tokens  # joint tokens a sample
     if request.weights is not None:
         config = weights_config(request.weights)
     elif request.config is not None:
         config = Flux2Config.preset(request.config)
     else:
-        tokens = request.batch * seq
+        tokens = request.batch * (height * width // PX_PER_TOKEN**2 + request.text_tokens)
         free = torch.cuda.mem_get_info(device)[0] if cuda else None
         config = Flux2Config.preset(default_config(free, tokens))
         if free is not None and config != Flux2Config.preset("dev"):
@@ -286,18 +283,10 @@ def plan(request: BenchRequest) -> Plan:
                 f"{free / 1e9:.0f} GB free on the GPU and dev needs about {need / 1e9:.0f} GB: "
                 f"benchmarking {preset_name(config)} (choose with --config)"
             )
-    if not cuda:
-        what = (
-            f"--weights {request.weights}"
-            if request.weights is not None
-            else f"--config {preset_name(config)}"
-        )
-        slow = cpu_run_note(what, config, dtype, request.batch, seq, request.steps)
-        if slow is not None:
-            notes.append(slow)
-    off_reason = fused_off_reason(device, dtype)
-    if off_reason is not None:
-        notes.append(off_reason)
+    fast_path_off = fast_path_reason(device, dtype)
+    if fast_path_off is not None:
+        fast_path_off = f"the fast path is off here ({fast_path_off}): both modes run eager PyTorch"
+        notes.append(fast_path_off)
     return Plan(
         device=device,
         config=config,
@@ -311,8 +300,8 @@ def plan(request: BenchRequest) -> Plan:
         dtype=dtype,
         # Too old a GPU: never try to build the kernel for it. Elsewhere (the CPU, fp32) the fused mode
         # still runs with `fused = True`, through the fused code path whose guards decline to eager.
-        fused=not cuda or torch.cuda.get_device_capability(device) >= MIN_FUSED_CAPABILITY,
-        fused_off_reason=off_reason,
+        fused=not cuda or torch.cuda.get_device_capability(device) >= MIN_CAPABILITY,
+        fast_path_off=fast_path_off,
         notes=tuple(notes),
     )
 
@@ -455,8 +444,8 @@ def _self_check_dicts() -> list[dict]:
 
 def _fused_status(p: Plan, fused: ModeResult, checks: list[dict]) -> tuple[bool, str]:
     """(active, why): active only when the fused kernel was seen running and its self-check passed."""
-    if p.fused_off_reason is not None:
-        return False, p.fused_off_reason
+    if p.fast_path_off is not None:
+        return False, p.fast_path_off
     failed = next((c for c in checks if not c["passed"]), None)
     if failed is not None:
         return False, f"self-check failed for {failed['op']} {failed['config']}: {failed['detail']}"
@@ -465,6 +454,14 @@ def _fused_status(p: Plan, fused: ModeResult, checks: list[dict]) -> tuple[bool,
         return False, "no fused kernel ran (the guards declined every site)"
     passed = ", ".join(f"{c['op']} {c['config']} in {c['seconds']:.2f} s" for c in checks)
     return True, f"{launches} fused launches a step; self-check passed ({passed})"
+
+
+def _warmup_note(p: Plan) -> str:
+    """What the fused mode's warm-up step does besides the step, said before it starts (it can take
+    seconds)."""
+    if p.fast_path_off is not None:
+        return " (the fast path is off here: the same eager PyTorch as the eager mode)"
+    return " (the first fused call builds or loads the kernels and self-checks them against eager)"
 
 
 def measure(model: Flux2Transformer, p: Plan, log: TextIO) -> tuple[dict[str, ModeResult], bool]:
@@ -482,8 +479,7 @@ def measure(model: Flux2Transformer, p: Plan, log: TextIO) -> tuple[dict[str, Mo
     latents = dict.fromkeys(MODES, noise)
     with torch.inference_mode():
         for mode in MODES:
-            first_use = " (the first fused call builds or loads the kernel and self-checks it)"
-            print(f"flux2-fused: warm-up step, {mode}{first_use if mode == 'fused' else ''}", file=log)
+            print(f"flux2-fused: warm-up step, {mode}{_warmup_note(p) if mode == 'fused' else ''}", file=log)
             start = time.perf_counter()
             step(mode, noise, 0)
             _synchronize(p.device)

@@ -17,9 +17,8 @@ from torch import nn
 
 from ..errors import BadValue
 from ..models.flux2 import Flux2Config, Flux2Transformer
+from .options import OFFLOADS
 
-HOSTS = ("package", "diffusers")
-OFFLOADS = ("none", "model", "group")
 # The Linears a FLUX.2 LoRA adapts, by the ends of their names: both blocks' attention projections (the
 # double block's `to_out.0`, the single block's `to_out`), the single block's fused QKV + MLP input,
 # the feed-forwards. Matched against Linears only: in the double block `to_out` is a ModuleList, which

@@ -1,7 +1,6 @@
 """Kernel benchmark: one fused site, eager vs fused, as % of two copy floors.
 
     flux2-fused kernel [--op OP] [--shapes AxT ...] [--no-compile] [--json FILE]
-    (also python -m flux2_fused.bench.kernel)
 
 Sites (`--op`):
 - gated_resnorm, shapes DxT: one gated residual + LayerNorm + adaLN site [B, T, D]; the floor moves
@@ -32,13 +31,14 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
+from ..errors import BadValue
 from ..ops import bits_equal, qk_norm_rope, swiglu
 from ..ops.gated_resnorm import gated_resnorm, gated_resnorm_decline_reason, gated_resnorm_reference
 from ..ops.qk_norm_rope.selfcheck import HEAD_DIM, rope_tables
+from .options import require_at_least_one
 from .report import KernelReport, KernelRow, check_output, format_kernel_table, write_json
 from .timing import copy_bandwidth_gbs, graphed, interleaved_median_us
 
@@ -56,6 +56,13 @@ DEFAULT_SHAPES = {
     "qk_norm_rope": ["24x4608", "48x4608", "24x4608:single", "48x4608:single", "24x1536", "48x16896"],
     "swiglu": ["9216x4608", "18432x4608", "9216x512", "18432x4096"],
 }
+# What a --shapes item of each op looks like, and the layouts after its colon ("" for none).
+SHAPE_FORMS = {
+    "gated_resnorm": "DxT (hidden x tokens, e.g. 6144x4608)",
+    "qk_norm_rope": "HxT or HxT:single (heads x joint tokens, e.g. 24x4608)",
+    "swiglu": "HxT (hidden x tokens, e.g. 9216x4608)",
+}
+LAYOUTS = {"gated_resnorm": ("",), "qk_norm_rope": ("", "single"), "swiglu": ("",)}
 L2_FLUSH_BYTES = 256 << 20
 GRAPH_REPEATS = 20
 TEXT_TOKENS = 512
@@ -231,36 +238,32 @@ def bench_case(op: str, case: Case, tokens: int, batch: int, copy_gbs: float, co
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The kernel benchmark's options (the `flux2-fused kernel` subcommand's)."""
-    parser.add_argument(
-        "--op", choices=list(CASES), default="gated_resnorm", help="which fused site (default gated_resnorm)"
-    )
-    parser.add_argument(
-        "--shapes",
-        nargs="*",
-        metavar="AxT",
-        help="gated_resnorm: DxT items, e.g. 6144x4608; qk_norm_rope: HxT (heads x joint tokens) for a "
-        "double block's prologue, e.g. 24x4608, HxT:single for a single block's; swiglu: HxT (hidden x "
-        "tokens) (default: the op's headline shapes)",
-    )
-    parser.add_argument(
-        "--batch", type=int, default=1, metavar="B", help="batch size B of [B, T, D] (default 1)"
-    )
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="element type (default bf16)")
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the chain")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the rows to FILE")
+def parse_shape(op: str, item: str) -> tuple[int, int, str]:
+    """A --shapes item of `op` as (size, tokens, layout): DxT or HxT, and for qk_norm_rope HxT:single
+    (layout "single"); BadValue (exit status 2) naming the item and the form it should have."""
+    shape, _, layout = item.lower().partition(":")
+    size, _, tokens = shape.partition("x")
+    whole = size.isdigit() and tokens.isdigit() and int(size) > 0 and int(tokens) > 0
+    if not whole or layout not in LAYOUTS[op]:
+        raise BadValue(f"--shapes {item!r}: --op {op} takes {SHAPE_FORMS[op]}, whole numbers of at least 1")
+    return int(size), int(tokens), layout
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse, before any work, values the run cannot use (BadValue: one line, exit status 2)."""
+    check_output("--json", args.json)
+    require_at_least_one({"--batch": args.batch})
+    for item in args.shapes or ():
+        parse_shape(args.op, item)
 
 
 def run(args: argparse.Namespace) -> int:
     """Benchmark every shape on the current CUDA GPU and print the table; 1 when a shape's fused
-    outputs differ from eager's."""
-    check_output("--json", args.json)
+    outputs differ from eager's. `check(args)` has passed."""
     copy_gbs = copy_bandwidth_gbs()
     rows = []
     for item in args.shapes or DEFAULT_SHAPES[args.op]:
-        shape, _, layout = item.lower().partition(":")
-        size, tokens = (int(v) for v in shape.split("x"))
+        size, tokens, layout = parse_shape(args.op, item)
         case = CASES[args.op](size, tokens, args.batch, DTYPES[args.dtype], *([layout] if layout else []))
         compiled = None if args.no_compile else torch.compile(case.eager, dynamic=False)
         rows.append(bench_case(case.label or args.op, case, tokens, args.batch, copy_gbs, compiled))
@@ -277,9 +280,3 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(asdict(report), args.json)
     return 0 if all(r.bit_exact for r in rows) else 1
-
-
-if __name__ == "__main__":
-    from ..cli import main
-
-    sys.exit(main(["kernel", *sys.argv[1:]]))

@@ -2,7 +2,6 @@
 
     flux2-fused pipeline [--configs klein-4b] [--pairs N] [--steps N] [--height PX --width PX]
                          [--txt-tokens N] [--guidance-scale S] [--json FILE]
-    (also python -m flux2_fused.bench.pipeline)
 
 What a user of diffusers sees end to end: the denoise loop with classifier-free guidance (two
 transformer calls a step, prompt and negative prompt embeddings), the scheduler, the VAE decode and
@@ -24,21 +23,16 @@ import argparse
 import functools
 import gc
 import importlib.metadata
-import sys
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
-from ..errors import BadValue
 from ..models.flux2 import Flux2Config
 from . import hosts
-from .denoise import _check_side
+from .options import check_side, require_at_least_one
 from .report import PipelineResult, Timing, check_output, format_pipeline_table, write_json
 from .step import tensor_sha256, time_synchronized
-
-PRESETS = ("klein-4b", "klein-9b")  # the Klein pipeline's transformers (no guidance embedder)
 
 
 def klein_call(
@@ -108,36 +102,12 @@ def bench_config(
     )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The pipeline benchmark's options (the `flux2-fused pipeline` subcommand's)."""
-    parser.add_argument(
-        "--configs", nargs="*", default=["klein-4b"], choices=PRESETS, help="default: klein-4b"
-    )
-    parser.add_argument("--pairs", type=int, default=3, metavar="N", help="timed calls a mode (default 3)")
-    parser.add_argument("--steps", type=int, default=8, metavar="N", help="denoise steps a call (default 8)")
-    parser.add_argument("--height", type=int, default=1024, metavar="PX", help="default 1024")
-    parser.add_argument("--width", type=int, default=1024, metavar="PX", help="default 1024")
-    parser.add_argument(
-        "--txt-tokens", type=int, default=512, metavar="N", help="prompt embedding tokens (default 512)"
-    )
-    parser.add_argument(
-        "--guidance-scale",
-        type=float,
-        default=4.0,
-        metavar="S",
-        help="CFG scale; above 1 each step runs the prompt and the negative prompt (default 4.0)",
-    )
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the results to FILE")
-
-
 def check(args: argparse.Namespace) -> None:
     """Refuse, before any work, values the run cannot use and a missing diffusers (BadValue, exit 2)."""
     check_output("--json", args.json)
-    for option, value in (("pairs", args.pairs), ("steps", args.steps), ("txt-tokens", args.txt_tokens)):
-        if value < 1:
-            raise BadValue(f"--{option} must be at least 1, got {value}")
-    _check_side("height", args.height)
-    _check_side("width", args.width)
+    require_at_least_one({"--pairs": args.pairs, "--steps": args.steps, "--txt-tokens": args.txt_tokens})
+    check_side("--height", args.height)
+    check_side("--width", args.width)
     hosts.check_diffusers_host("the pipeline benchmark")
 
 
@@ -156,9 +126,3 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json([asdict(r) for r in results], args.json)
     return 0 if all(r.images_equal for r in results) else 1
-
-
-if __name__ == "__main__":
-    from ..cli import main
-
-    sys.exit(main(["pipeline", *sys.argv[1:]]))

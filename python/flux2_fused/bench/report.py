@@ -77,7 +77,8 @@ class ModeResult:
 
     - step_ms: time of each timed step, in order
     - median_ms: median of step_ms
-    - warmup_s: the untimed warm-up step in s (fused: includes the kernel build or load and self-check)
+    - warmup_s: the untimed warm-up step in s (fused, where the fast path is on: includes the kernel
+      build or load and self-check)
     - launches_per_step: CUDA kernels (on the CPU: aten ops, nested ones included) in the profiled step
     - site_ms: kernel time (CPU: op self time) of the profiled step by site: fused, norm, elementwise, other
     - site_launches: launches of the profiled step by the same sites

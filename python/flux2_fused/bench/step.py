@@ -2,7 +2,6 @@
 
     flux2-fused step [--configs dev klein-4b] [--steps N] [--compile] [--json FILE]
                      [--host package|diffusers] [--lora R] [--offload none|model|group]
-    (also python -m flux2_fused.bench.step)
 
 Random weights built on the GPU; the same model runs with `fused = False` and `fused = True` on the
 same inputs, interleaved step by step, after a warm-up step of each (the fused one self-checks).
@@ -39,10 +38,8 @@ import functools
 import gc
 import hashlib
 import re
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -50,6 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 from ..errors import BadValue
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from . import hosts
+from .options import require_at_least_one
 from .report import (
     KERNEL_CLASSES,
     Breakdown,
@@ -237,54 +235,19 @@ def bench_config(
     )
 
 
-PRESETS = ("dev", "klein-4b", "klein-9b")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The step benchmark's options (the `flux2-fused step` subcommand's)."""
-    parser.add_argument(
-        "--configs", nargs="*", default=["dev", "klein-4b"], choices=PRESETS, help="default: dev klein-4b"
-    )
-    parser.add_argument(
-        "--steps", type=int, metavar="N", help="timed steps per mode (default 7, with --compile 100)"
-    )
-    parser.add_argument("--batch", type=int, default=1, metavar="N", help="batch size (default 1)")
-    parser.add_argument(
-        "--img-tokens", type=int, default=4096, metavar="N", help="image tokens (default 4096 = 1024x1024)"
-    )
-    parser.add_argument("--txt-tokens", type=int, default=512, metavar="N", help="text tokens (default 512)")
-    parser.add_argument("--compile", action="store_true", help="both modes under torch.compile(model)")
-    parser.add_argument(
-        "--host",
-        choices=hosts.HOSTS,
-        default="package",
-        help="the package's model, or diffusers' Flux2Transformer2DModel with the same weights, eager "
-        "being diffusers' own forward and fused enable(model) (default: package)",
-    )
-    parser.add_argument(
-        "--lora",
-        type=int,
-        metavar="R",
-        help="--host diffusers: a peft LoRA of rank R on the attention and MLP linears",
-    )
-    parser.add_argument(
-        "--offload",
-        choices=hosts.OFFLOADS,
-        default="none",
-        help="--host diffusers: weights on the CPU between uses; model: accelerate's hook as "
-        "enable_model_cpu_offload, group: block-level group offloading with a side stream (default: none)",
-    )
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the results to FILE")
-
-
 def check(args: argparse.Namespace) -> None:
     """Refuse, before any work, options that do not go together or that this environment cannot run
     (BadValue: one line, exit status 2)."""
     check_output("--json", args.json)
-    if args.steps is not None and args.steps < 1:
-        raise BadValue(f"--steps must be at least 1, got {args.steps}")
-    if args.lora is not None and args.lora < 1:
-        raise BadValue(f"--lora must be at least 1, got {args.lora}")
+    require_at_least_one(
+        {
+            "--steps": args.steps,
+            "--batch": args.batch,
+            "--img-tokens": args.img_tokens,
+            "--txt-tokens": args.txt_tokens,
+            "--lora": args.lora,
+        }
+    )
     if args.host == "package":
         if args.lora is not None or args.offload != "none":
             raise BadValue("--lora and --offload apply to --host diffusers")
@@ -319,9 +282,3 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json([asdict(r) for r in results], args.json)
     return 0 if args.compile or all(r.bit_exact for r in results) else 1
-
-
-if __name__ == "__main__":
-    from ..cli import main
-
-    sys.exit(main(["step", *sys.argv[1:]]))

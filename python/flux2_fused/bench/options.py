@@ -1,0 +1,177 @@
+"""The benchmark commands' options (`flux2-fused bench`, `step`, `pipeline`, `kernel`): their
+declarations, the names and defaults they show, and the checks of their values. No torch here.
+
+Why a module of its own: `flux2-fused --help` and a usage error must answer at once, and importing
+torch (which every benchmark module does) takes seconds. So the command line is declared from plain
+constants, and the benchmarks import those constants from here rather than the other way round.
+Three lists mirror a torch-side table they cannot import without torch (the model presets, the bench
+dtypes, the kernel sites and dtypes); test/bench/test_options.py checks that they still match.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..errors import BadValue
+
+# `flux2-fused bench`
+CONFIGS = ("dev", "klein-4b", "klein-9b", "tiny")  # Flux2Config.PRESETS' names
+DTYPES = ("bf16", "fp16", "fp32")  # denoise.DTYPES' names
+PX_PER_TOKEN = 16  # the VAE downsamples 8x and FLUX.2 packs 2x2 latent pixels into a token
+GPU_SIDE, CPU_SIDE = 1024, 256  # default image side in pixels
+DEFAULT_STEPS = 4
+DEFAULT_TEXT_TOKENS = 512
+# `flux2-fused step` and `pipeline`
+STEP_CONFIGS = ("dev", "klein-4b", "klein-9b")
+PIPELINE_CONFIGS = ("klein-4b", "klein-9b")  # the Klein pipeline's transformers (no guidance embedder)
+HOSTS = ("package", "diffusers")
+OFFLOADS = ("none", "model", "group")
+# `flux2-fused kernel`
+KERNEL_OPS = ("gated_resnorm", "qk_norm_rope", "swiglu")  # kernel.CASES' names
+KERNEL_DTYPES = ("bf16", "fp16")  # kernel.DTYPES' names
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The denoise benchmark's options (the `flux2-fused bench` subcommand's)."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--config",
+        choices=CONFIGS,
+        help="preset with random weights (default: dev on a GPU with room for it, klein-4b on a smaller "
+        "GPU, tiny on the CPU)",
+    )
+    source.add_argument(
+        "--weights", type=Path, metavar="PATH", help="diffusers-format folder (config.json decides the model)"
+    )
+    sides = f"pixels, a multiple of {PX_PER_TOKEN} (default {GPU_SIDE} on a GPU, {CPU_SIDE} on the CPU)"
+    parser.add_argument("--height", type=int, metavar="PX", help=sides)
+    parser.add_argument("--width", type=int, metavar="PX", help=sides)
+    for option, default, what in (
+        ("--steps", DEFAULT_STEPS, "timed denoise steps a mode"),
+        ("--batch", 1, "batch size"),
+        ("--text-tokens", DEFAULT_TEXT_TOKENS, "text tokens a sample"),
+        ("--seed", 0, "seed of the weights, latents and text embeddings"),
+    ):
+        parser.add_argument(
+            option, type=int, default=default, metavar="N", help=f"{what} (default {default})"
+        )
+    parser.add_argument("--dtype", choices=DTYPES, help="default bf16 on a GPU, fp32 on the CPU")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
+    parser.add_argument(
+        "--plot", type=Path, metavar="FILE.png", help="draw step and kernel times (needs matplotlib)"
+    )
+    parser.add_argument(
+        "--allow-slow",
+        action="store_true",
+        help="start a CPU run estimated to take over an hour (refused otherwise, with the estimate)",
+    )
+    parser.add_argument(
+        "--parallel",
+        metavar="PLAN",
+        help="one step under diffusers' parallelism on several GPUs, diffusers alone vs enable(), e.g. "
+        "ulysses=2, ring=2, ulysses=2,ring=2 or tp=2 (starts torchrun, or runs inside it; --steps timed "
+        "pairs; flux2_fused.bench.parallel)",
+    )
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The step benchmark's options (the `flux2-fused step` subcommand's)."""
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["dev", "klein-4b"],
+        choices=STEP_CONFIGS,
+        help="default: dev klein-4b",
+    )
+    parser.add_argument(
+        "--steps", type=int, metavar="N", help="timed steps per mode (default 7, with --compile 100)"
+    )
+    parser.add_argument("--batch", type=int, default=1, metavar="N", help="batch size (default 1)")
+    parser.add_argument(
+        "--img-tokens", type=int, default=4096, metavar="N", help="image tokens (default 4096 = 1024x1024)"
+    )
+    parser.add_argument("--txt-tokens", type=int, default=512, metavar="N", help="text tokens (default 512)")
+    parser.add_argument("--compile", action="store_true", help="both modes under torch.compile(model)")
+    parser.add_argument(
+        "--host",
+        choices=HOSTS,
+        default="package",
+        help="the package's model, or diffusers' Flux2Transformer2DModel with the same weights, eager "
+        "being diffusers' own forward and fused enable(model) (default: package)",
+    )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        metavar="R",
+        help="--host diffusers: a peft LoRA of rank R on the attention and MLP linears",
+    )
+    parser.add_argument(
+        "--offload",
+        choices=OFFLOADS,
+        default="none",
+        help="--host diffusers: weights on the CPU between uses; model: accelerate's hook as "
+        "enable_model_cpu_offload, group: block-level group offloading with a side stream (default: none)",
+    )
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the results to FILE")
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """The pipeline benchmark's options (the `flux2-fused pipeline` subcommand's)."""
+    parser.add_argument(
+        "--configs", nargs="+", default=["klein-4b"], choices=PIPELINE_CONFIGS, help="default: klein-4b"
+    )
+    parser.add_argument("--pairs", type=int, default=3, metavar="N", help="timed calls a mode (default 3)")
+    parser.add_argument("--steps", type=int, default=8, metavar="N", help="denoise steps a call (default 8)")
+    parser.add_argument("--height", type=int, default=1024, metavar="PX", help="default 1024")
+    parser.add_argument("--width", type=int, default=1024, metavar="PX", help="default 1024")
+    parser.add_argument(
+        "--txt-tokens", type=int, default=512, metavar="N", help="prompt embedding tokens (default 512)"
+    )
+    parser.add_argument(
+        "--guidance-scale",
+        type=float,
+        default=4.0,
+        metavar="S",
+        help="CFG scale; above 1 each step runs the prompt and the negative prompt (default 4.0)",
+    )
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the results to FILE")
+
+
+def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
+    """The kernel benchmark's options (the `flux2-fused kernel` subcommand's)."""
+    parser.add_argument(
+        "--op", choices=KERNEL_OPS, default="gated_resnorm", help="which fused site (default gated_resnorm)"
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        metavar="AxT",
+        help="gated_resnorm: DxT items, e.g. 6144x4608; qk_norm_rope: HxT (heads x joint tokens) for a "
+        "double block's prologue, e.g. 24x4608, HxT:single for a single block's; swiglu: HxT (hidden x "
+        "tokens) (default: the op's headline shapes)",
+    )
+    parser.add_argument(
+        "--batch", type=int, default=1, metavar="B", help="batch size B of [B, T, D] (default 1)"
+    )
+    parser.add_argument("--dtype", choices=KERNEL_DTYPES, default="bf16", help="element type (default bf16)")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the chain")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the rows to FILE")
+
+
+def require_at_least_one(counts: Mapping[str, int | None]) -> None:
+    """BadValue (exit status 2) naming the first option whose count is below 1; None is an option not
+    given, whose default applies. One check, so every benchmark words it alike."""
+    for option, value in counts.items():
+        if value is not None and value < 1:
+            raise BadValue(f"{option} must be at least 1, got {value}")
+
+
+def check_side(option: str, value: int) -> None:
+    """BadValue unless `value` pixels make whole latent tokens: FLUX.2 has one a 16x16 pixel patch."""
+    if value < PX_PER_TOKEN or value % PX_PER_TOKEN:
+        raise BadValue(
+            f"{option} {value} is not a positive multiple of {PX_PER_TOKEN} "
+            f"(FLUX.2 has one latent token per {PX_PER_TOKEN}x{PX_PER_TOKEN} pixels)"
+        )
