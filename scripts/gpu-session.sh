@@ -3,6 +3,7 @@
 #   scripts/gpu-session.sh [ops-tests] [model-tests] [verify] [kernel-bench] [step-bench]
 #                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
 #                          [baseline-kernel-bench] [baseline-step-bench] [parallel-bench] [pytest:ARGS]
+#                          [ab-step:OPTIONS]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
 # pipeline-bench: a Flux2KleinPipeline call (klein-4b, 1024 px, 8 steps, CFG, VAE decode) alone vs enable().
@@ -11,6 +12,7 @@
 # tool brings back at most 8 files).
 # Run from the repository root. .whl/ holds cp312 wheels of what the GPU image lacks (apache-tvm-ffi,
 # diffusers), downloaded with `pip download --only-binary=:all: --python-version 3.12 ...`.
+# ab-step:OPTIONS runs `flux2-fused step OPTIONS` on .baseline, then on this tree, into one ab-step.log.
 # The baseline-* steps run the same benchmark from .baseline/python (an earlier tree, e.g.
 # `git archive <commit> python | tar -x -C .baseline`), for before/after numbers in one session; the
 # benchmarks run as `python3 -m flux2_fused step|kernel|pipeline`, which every tree since 83ff1a3 has.
@@ -51,6 +53,12 @@ for step in "$@"; do
           python3 -m flux2_fused bench --parallel "$plan" --config "$config" --steps ${PARALLEL_STEPS:-10} \
             --json "$OUT/parallel-$config-${plan//[=,]/-}.json" 2>&1 | grep -v -i warn | tee -a "$OUT/parallel.log" || rc=1
         done
+      done ;;
+    ab-step:*)  # the step benchmark with these options, on the .baseline tree, then on this one
+      for tree in baseline current; do
+        echo "--- $tree: step ${step#ab-step:}" | tee -a "$OUT/ab-step.log"
+        if [ "$tree" = baseline ]; then runner=baseline; else runner=; fi
+        $runner python3 -m flux2_fused step ${step#ab-step:} 2>&1 | tee -a "$OUT/ab-step.log" || rc=1
       done ;;
     pytest:*) python3 -m pytest -q ${step#pytest:} 2>&1 | tee -a "$OUT/pytest.log" | tail -15 || rc=1 ;;
     *) echo "unknown step $step"; rc=1 ;;

@@ -36,7 +36,6 @@ from .bench.report import (
 from .errors import BadValue, CommandError, NeedsCuda
 from .models.weights import WeightsError
 from .ops import OPS, jit
-from .ops.runtime import MIN_CAPABILITY
 
 # The errors a command reports as a plain line; anything else is called unexpected.
 EXPECTED_ERRORS = (CommandError, WeightsError, jit.BuildError, OSError)
@@ -214,12 +213,9 @@ def parse_arch(text: str) -> str:
         arch = jit.normalize_arch(text)
     except ValueError as exc:
         raise BadValue(f"argument --arch: {exc}") from exc
-    if tuple(int(part) for part in arch.removesuffix("a").split(".")) < MIN_CAPABILITY:
-        major, minor = MIN_CAPABILITY
-        raise BadValue(
-            f"argument --arch: sm {arch} is not supported: the kernels need sm_{major}{minor} "
-            f"({major}.{minor}) or newer"
-        )
+    reason = jit.arch_reason(arch)
+    if reason is not None:
+        raise BadValue(f"argument --arch: {reason}")
     return arch
 
 

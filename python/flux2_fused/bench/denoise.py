@@ -54,7 +54,6 @@ from ..errors import BadValue
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from ..models.weights import CONFIG_NAME, WeightsError, read_config, shard_files
 from ..ops import fast_path_reason, self_check_records
-from ..ops.runtime import MIN_CAPABILITY
 from .options import (
     CPU_SIDE,
     DEFAULT_STEPS,
@@ -124,7 +123,6 @@ class Plan:
     text_tokens: int
     seed: int
     dtype: torch.dtype
-    fused: bool  # `model.fused` in the fused mode
     fast_path_off: str | None  # why the fast path cannot run here (a note), None when it can
     notes: tuple[str, ...]
 
@@ -298,9 +296,6 @@ def plan(request: BenchRequest) -> Plan:
         text_tokens=request.text_tokens,
         seed=request.seed,
         dtype=dtype,
-        # Too old a GPU: never try to build the kernel for it. Elsewhere (the CPU, fp32) the fused mode
-        # still runs with `fused = True`, through the fused code path whose guards decline to eager.
-        fused=not cuda or torch.cuda.get_device_capability(device) >= MIN_CAPABILITY,
         fast_path_off=fast_path_off,
         notes=tuple(notes),
     )
@@ -471,7 +466,9 @@ def measure(model: Flux2Transformer, p: Plan, log: TextIO) -> tuple[dict[str, Mo
     schedule = sigmas(p.steps)
 
     def step(mode: str, x: torch.Tensor, i: int) -> torch.Tensor:
-        model.fused = mode == "fused" and p.fused
+        # Where the fast path is off (the CPU, fp32, a GPU older than sm_80, ...) the fused mode still
+        # runs with `fused = True`, through the fused code path whose ops decline to eager.
+        model.fused = mode == "fused"
         return euler_step(model, x, inputs, schedule[i], schedule[i + 1])
 
     warmup_s: dict[str, float] = {}

@@ -106,13 +106,17 @@ def kernel_breakdown(fn: Callable[[], object]) -> Breakdown:
 
 
 def step_inputs(
-    config: Flux2Config, batch: int, img_tokens: int, txt_tokens: int, dtype: torch.dtype
+    config: Flux2Config, batch: int, img_tokens: int, txt_tokens: int, dtype: torch.dtype, seed: int = 1
 ) -> dict:
-    """Fresh random latents and text embeddings with FLUX.2's position ids, on the GPU."""
+    """Random latents and text embeddings from `seed`, with FLUX.2's position ids, on the GPU. Seeded,
+    so an output's SHA-256 identifies the computation across runs and code versions."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     return {
-        "hidden_states": torch.randn(batch, img_tokens, config.in_channels, device="cuda", dtype=dtype),
+        "hidden_states": torch.randn(
+            batch, img_tokens, config.in_channels, device="cuda", dtype=dtype, generator=gen
+        ),
         "encoder_hidden_states": torch.randn(
-            batch, txt_tokens, config.joint_attention_dim, device="cuda", dtype=dtype
+            batch, txt_tokens, config.joint_attention_dim, device="cuda", dtype=dtype, generator=gen
         ),
         "timestep": torch.full((batch,), 0.5, device="cuda"),
         "img_ids": image_ids(img_tokens, device="cuda"),

@@ -79,3 +79,17 @@ def test_compiled_training_step_matches_the_unfused_graph_cpu():
     for fused_grad, plain_grad in zip(grads[True], grads[False], strict=True):
         assert fused_grad is not None and fused_grad.abs().sum() > 0
         torch.testing.assert_close(fused_grad, plain_grad)
+
+
+def test_qk_norms_without_eps_compile_to_the_eager_chain_cpu():
+    """RMSNorms with eps=None (aten's own default) are no operator argument: the trace keeps the
+    eager prologue for them, and the compiled model still equals the eager one."""
+    model = Flux2Transformer.random(TINY, seed=4, device="cpu", dtype=torch.float32)
+    for module in model.modules():
+        if isinstance(module, torch.nn.RMSNorm):
+            module.eps = None
+    inputs = make_inputs(TINY, 1, 9, 4)
+    torch.compiler.reset()
+    with torch.inference_mode():
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(**inputs)
+        assert torch.equal(compiled, model(**inputs))

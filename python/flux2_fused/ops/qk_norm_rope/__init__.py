@@ -50,6 +50,10 @@ def _layout_reason(
     return None
 
 
+def _is_number(eps: object) -> bool:
+    return isinstance(eps, float | int) and not isinstance(eps, bool)
+
+
 def decline_reason(
     q: Sequence[Segment],
     k: Sequence[Segment],
@@ -75,7 +79,7 @@ def fused(
     v: Sequence[torch.Tensor] | None = None,
 ) -> Prologue | None:
     """(q, k, v) from one kernel launch, or None where the guards decline."""
-    if not isinstance(eps, float | int):  # eps=None means aten's own default, not ours to guess
+    if not _is_number(eps):  # eps=None means aten's own default, not ours to guess
         return None
     try:
         for segment in (*q, *k):
@@ -103,7 +107,8 @@ def apply(
     """The site's one decision: under a torch.compile trace the `library` operator, else `fused`
     where it accepts, else the eager chain (`reference.prologue`): the same bits. `enabled=False` (a
     model's switch) always runs the eager chain."""
-    if enabled and torch.compiler.is_compiling():
+    # eps=None (aten's own default) is not an operator argument: the trace keeps the eager chain.
+    if enabled and torch.compiler.is_compiling() and _is_number(eps):
         from . import library
 
         out = library.qk_norm_rope(
