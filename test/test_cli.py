@@ -724,7 +724,7 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         (["kernel", "--op", "swiglu", "--shapes", "big"], None, "--shapes 'big': --op swiglu takes HxT"),
         (["kernel", "--batch", "0"], None, "--batch must be at least 1, got 0"),
         (["kernel", "--json", "/no-such-folder/k.json"], None, "folder /no-such-folder does not exist"),
-        (["build", "--arch", "9.0", "7.5"], None, "compute capability 7.5 is older than the kernels' minimum"),
+        (["build", "--arch", "9.0", "7.5"], None, "7.5 is older than the kernels' minimum"),
         (["bench", "--parallel", "ring=2", "--config", "dev"], None, "--parallel ring=2 needs 2 CUDA GPUs"),
     ],
     ids=[
