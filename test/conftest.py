@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flux2_fused.models.flux2 import blocks
+from flux2_fused.models.flux2 import diffusers as flux2_diffusers
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -18,15 +19,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def count_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[int]:
-    """One entry each time `owner.name` is called (it still runs)."""
+def count_block_code(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """One entry each time a block body (`double_block_body`, `single_block_body`) runs, from the
+    loop or from a block's fused forward under a hook or a cache (every module that calls it)."""
     calls: list[int] = []
-    real = getattr(owner, name)
-    monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = getattr(blocks, name)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    for module in (blocks, flux2_diffusers):
+        monkeypatch.setattr(module, name, counting)
     return calls
 
 
 @pytest.fixture
 def double_blocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry each time a double block runs the family's block code."""
-    return count_calls(monkeypatch, blocks, "double_block_body")
+    return count_block_code(monkeypatch, "double_block_body")

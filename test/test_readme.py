@@ -12,9 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from flux2_fused.models.flux2 import blocks as flux2_blocks
-
-from .conftest import count_calls
+from .conftest import count_block_code
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 MODEL_ID = "black-forest-labs/FLUX.2-klein-4B"
@@ -84,7 +82,7 @@ def test_diffusers_snippet_runs_and_matches_the_pipeline_alone(
         decoded.append(latents.clone())
         return decode(latents, *args, **kwargs)
 
-    blocks = count_calls(monkeypatch, flux2_blocks, "double_block_body")
+    blocks = count_block_code(monkeypatch, "double_block_body")
     monkeypatch.setattr(diffusers.Flux2KleinPipeline, "from_pretrained", from_pretrained)
     monkeypatch.setattr(pipe, "to", to)
     monkeypatch.setattr(pipe, "_get_qwen3_prompt_embeds", prompt_embeds)

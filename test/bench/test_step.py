@@ -163,11 +163,14 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     assert "| klein-4b | diffusers (LoRA r16, model offload) | fused | 1052 |" in breakdown
     assert "diffusers' own forward" not in format_step_table([step], "NVIDIA H200", "2.11.0")
     calls = PipelineResult(
-        "klein-4b", 1024, 1024, 8, 4.0, 512, 2, "0.42.1", timing, "b" * 64, "c" * 64, False
+        "klein-4b", 1024, 1024, 8, 4.0, 512, 2, "magcache", 500, "0.42.1", timing, "b" * 64, "c" * 64, False
     )
     table = format_pipeline_table([calls], "NVIDIA H200", "2.11.0")
-    assert "diffusers 0.42.1" in table and _table_widths(table) == {12}
-    assert "| klein-4b | 1024x1024 | 8 | 4.0 | 11.0 | 10.0 | +10.0% | +1.0 +- 0.0 | 2/2 | NO |" in table
+    assert "diffusers 0.42.1" in table and _table_widths(table) == {15}
+    assert (
+        "| klein-4b | 1024x1024 | 8 | 4.0 | magcache | 11.0 | 10.0 | +10.0% | +1.0 +- 0.0 | 2/2 | 500 | 2.0 "
+        "| NO |" in table
+    )
     assert "| bbbbbbbbbbbb / cccccccccccc |" in table
     row = KernelRow(
         "gated_resnorm",

@@ -26,6 +26,7 @@ DEFAULT_TEXT_TOKENS = 512
 # `flux2-fused step` and `pipeline`
 STEP_CONFIGS = ("dev", "klein-4b", "klein-9b")
 PIPELINE_CONFIGS = ("klein-4b", "klein-9b")  # the Klein pipeline's transformers (no guidance embedder)
+PIPELINE_CACHES = ("none", "cache-dit", "magcache")  # what `pipeline --cache` stacks on the transformer
 HOSTS = ("package", "diffusers")
 OFFLOADS = ("none", "model", "group")
 # `flux2-fused kernel`
@@ -135,6 +136,14 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
         default=4.0,
         metavar="S",
         help="CFG scale; above 1 each step runs the prompt and the negative prompt (default 4.0)",
+    )
+    parser.add_argument(
+        "--cache",
+        nargs="+",
+        default=["none"],
+        choices=PIPELINE_CACHES,
+        help="a cache on the transformer, one run each: cache-dit's DBCache (F1B0, steps 0, 1 and every "
+        "other step computed) or diffusers' MagCache (every other step skipped); default: none",
     )
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the results to FILE")
 

@@ -1,7 +1,8 @@
 """Whole-pipeline benchmark: diffusers' Flux2KleinPipeline call, alone vs with `enable(pipe)`.
 
     flux2-fused pipeline [--configs klein-4b] [--pairs N] [--steps N] [--height PX --width PX]
-                         [--txt-tokens N] [--guidance-scale S] [--json FILE]
+                         [--txt-tokens N] [--guidance-scale S] [--cache none cache-dit magcache]
+                         [--json FILE]
 
 What a user of diffusers sees end to end: the denoise loop with classifier-free guidance (two
 transformer calls a step, prompt and negative prompt embeddings), the scheduler, the VAE decode and
@@ -15,6 +16,12 @@ One pipeline, switched between diffusers' forward and enable() call by call (int
 benchmark's pairs), after a warm-up call of each (the fused one self-checks). Each call starts on an
 idle GPU and is waited for, as a user's call ends with an image to use. The images (output_type "pt")
 of the warm-up calls are compared with torch.equal.
+
+With `--cache`, the cache is set up on the pipeline before the first call (and stays through both
+modes): cache-dit's DBCache, or diffusers' MagCache, each with a fixed schedule of skipped steps, so
+both modes make the same decisions whatever the random weights give. The fused kernel launches of one
+profiled enable() call measure the fused work the cache left: the time saved over the fused launches
+is the saving per fused site, comparable with the run without a cache.
 """
 
 from __future__ import annotations
@@ -23,16 +30,18 @@ import argparse
 import functools
 import gc
 import importlib.metadata
+import importlib.util
 from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
 
+from ..errors import BadValue
 from ..models.flux2 import Flux2Config
 from . import hosts
 from .options import check_side, require_at_least_one
 from .report import PipelineResult, Timing, check_output, format_pipeline_table, write_json
-from .step import tensor_sha256, time_synchronized
+from .step import kernel_breakdown, tensor_sha256, time_synchronized
 
 
 def klein_call(
@@ -66,8 +75,48 @@ def klein_call(
     return call
 
 
+def computed_steps(steps: int) -> list[int]:
+    """The cache's schedule: the first two steps and every other step after them computed (1), the
+    rest served from the cache (0)."""
+    return [1 if i < 2 or i % 2 == 1 else 0 for i in range(steps)]
+
+
+def apply_cache(pipe: object, cache: str, steps: int) -> None:
+    """Stack `cache` ("none", "cache-dit", "magcache") on the pipeline's transformer, its skipped steps
+    fixed by `computed_steps` (MagCache: a threshold nothing reaches, one skip at most in a row)."""
+    if cache == "cache-dit":
+        import cache_dit
+
+        config = cache_dit.DBCacheConfig(
+            Fn_compute_blocks=1,
+            Bn_compute_blocks=0,
+            num_inference_steps=steps,
+            steps_computation_mask=computed_steps(steps),
+            steps_computation_policy="static",
+        )
+        cache_dit.enable_cache(pipe, cache_config=config)
+    elif cache == "magcache":
+        from diffusers import MagCacheConfig
+
+        config = MagCacheConfig(
+            threshold=1e9,
+            max_skip_steps=1,
+            retention_ratio=2 / steps,
+            num_inference_steps=steps,
+            mag_ratios=[1.0] * steps,
+        )
+        pipe.transformer.enable_cache(config)
+
+
 def bench_config(
-    name: str, pairs: int, height: int, width: int, steps: int, guidance_scale: float, txt_tokens: int
+    name: str,
+    pairs: int,
+    height: int,
+    width: int,
+    steps: int,
+    guidance_scale: float,
+    txt_tokens: int,
+    cache: str = "none",
 ) -> PipelineResult:
     from diffusers import Flux2KleinPipeline
 
@@ -75,6 +124,7 @@ def bench_config(
     device = torch.device("cuda", torch.cuda.current_device())
     transformer = hosts.diffusers_host(config, device, torch.bfloat16)
     pipe = hosts.klein_pipeline(Flux2KleinPipeline, transformer)
+    apply_cache(pipe, cache, steps)
     call = klein_call(pipe, config, height, width, steps, guidance_scale, txt_tokens)
 
     switch = functools.partial(hosts.use_fused, pipe)
@@ -86,6 +136,7 @@ def bench_config(
     with torch.inference_mode():
         images = {mode: run(mode) for mode in (False, True)}  # warm-up; the fused one self-checks
         timing = Timing.of(time_synchronized(run, pairs, switch))
+        fused_launches = kernel_breakdown(lambda: run(True)).launches["fused"]
     return PipelineResult(
         config=name,
         height=height,
@@ -94,6 +145,8 @@ def bench_config(
         guidance_scale=guidance_scale,
         txt_tokens=txt_tokens,
         pairs=pairs,
+        cache=cache,
+        fused_launches=fused_launches,
         diffusers=importlib.metadata.version("diffusers"),
         timing=timing,
         diffusers_sha256=tensor_sha256(images[False]),
@@ -109,19 +162,29 @@ def check(args: argparse.Namespace) -> None:
     check_side("--height", args.height)
     check_side("--width", args.width)
     hosts.check_diffusers_host("the pipeline benchmark")
+    if "cache-dit" in args.cache and importlib.util.find_spec("cache_dit") is None:
+        raise BadValue("--cache cache-dit needs cache-dit, which is not installed (pip install cache-dit)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Time every config on the current CUDA GPU and print the table; 1 when the images differ."""
     results = []
     for name in args.configs:
-        results.append(
-            bench_config(
-                name, args.pairs, args.height, args.width, args.steps, args.guidance_scale, args.txt_tokens
+        for cache in args.cache:
+            results.append(
+                bench_config(
+                    name,
+                    args.pairs,
+                    args.height,
+                    args.width,
+                    args.steps,
+                    args.guidance_scale,
+                    args.txt_tokens,
+                    cache,
+                )
             )
-        )
-        gc.collect()  # drop the previous pipeline before building the next
-        torch.cuda.empty_cache()
+            gc.collect()  # drop the previous pipeline before building the next
+            torch.cuda.empty_cache()
     print(format_pipeline_table(results, torch.cuda.get_device_name(), torch.__version__))
     if args.json:
         write_json([asdict(r) for r in results], args.json)

@@ -419,6 +419,10 @@ class PipelineResult:
     - guidance_scale: the CFG scale; above 1 each step calls the transformer twice (prompt, negative)
     - txt_tokens: tokens of the prompt embeddings, and of the negative ones
     - pairs: timed pairs of calls
+    - cache: the cache stacked on the transformer ("none", "cache-dit": DBCache, "magcache"), with
+      a fixed schedule of skipped steps (`bench.pipeline.computed_steps`)
+    - fused_launches: fused kernel launches in one profiled call with enable(pipe): the fused work
+      the cache left (klein-4B: 96 a transformer call)
     - diffusers: diffusers version
     - timing: Timing of whole calls, each from an idle GPU and waited for (eager: the pipeline alone;
       fused: after enable(pipe))
@@ -434,6 +438,8 @@ class PipelineResult:
     guidance_scale: float
     txt_tokens: int
     pairs: int
+    cache: str
+    fused_launches: int
     diffusers: str
     timing: Timing
     diffusers_sha256: str
@@ -448,11 +454,14 @@ def format_pipeline_table(results: Sequence[PipelineResult], device: str, torch_
         "image",
         "steps",
         "CFG",
+        "cache",
         "diffusers ms/call",
         "enable() ms/call",
         "speedup",
         "paired gain ms (95% CI)",
         "fused won",
+        "fused launches/call",
+        "saved us per fused launch",
         "images equal",
         "SHA-256 (both)",
     ]
@@ -466,11 +475,14 @@ def format_pipeline_table(results: Sequence[PipelineResult], device: str, torch_
                 f"{r.height}x{r.width}",
                 r.steps,
                 r.guidance_scale,
+                r.cache,
                 f"{t.eager_ms:.1f}",
                 f"{t.fused_ms:.1f}",
                 speedup_text(t.speedup_pct),
                 f"{t.paired_diff_ms:+.1f} +- {t.paired_ci95_ms:.1f}",
                 f"{t.fused_won}/{r.pairs}",
+                r.fused_launches,
+                f"{1000 * t.paired_diff_ms / r.fused_launches:.1f}" if r.fused_launches else "-",
                 _yes(r.images_equal),
                 sha,
             ]

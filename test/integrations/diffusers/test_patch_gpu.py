@@ -190,7 +190,9 @@ def test_group_offload_equals_diffusers(
 
     launches = _patched_vs_diffusers(setup, inputs, patch_first)
     print(f"group offload {offload_type}: {launches} fused launches of {fully_fused}")
-    assert launches <= fully_fused
+    # Block level hooks only the blocks, which run their fused forward under the hooks: every site
+    # fuses. Leaf level hooks the q/k norms too, whose prologues then run as module calls.
+    assert launches == fully_fused if offload_type == "block_level" else 0 < launches <= fully_fused
 
 
 # --------------------------------------------------------------------------- quantized linears
@@ -204,6 +206,30 @@ def test_torchao_weight_only_stays_fully_fused(config_name: str, inputs: dict, f
 
     def setup(model: nn.Module) -> None:
         quantization.quantize_(model, getattr(quantization, config_name)())
+
+    assert _patched_vs_diffusers(setup, inputs) == fully_fused
+
+
+@pytest.mark.parametrize(
+    "config_name, granularity",
+    [
+        ("Float8DynamicActivationFloat8WeightConfig", "PerRow"),
+        ("Float8DynamicActivationFloat8WeightConfig", "PerTensor"),
+        ("Int8DynamicActivationInt8WeightConfig", None),
+    ],
+)
+def test_torchao_dynamic_quantization_stays_fully_fused(
+    config_name: str, granularity: str | None, inputs: dict, fully_fused: int
+) -> None:
+    """Dynamically quantized activations and weights (torchao): the quantized linears run as modules,
+    every elementwise site around them fuses, and the output is the quantized model's alone."""
+    quantization = pytest.importorskip("torchao.quantization")
+    if config_name.startswith("Float8") and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 needs sm_89 or newer")
+    kwargs = {} if granularity is None else {"granularity": getattr(quantization, granularity)()}
+
+    def setup(model: nn.Module) -> None:
+        quantization.quantize_(model, getattr(quantization, config_name)(**kwargs))
 
     assert _patched_vs_diffusers(setup, inputs) == fully_fused
 

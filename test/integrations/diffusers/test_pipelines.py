@@ -8,9 +8,9 @@ import torch
 
 from flux2_fused.bench.hosts import diffusers_model
 from flux2_fused.integrations.diffusers import enable
-from flux2_fused.models.flux2 import Flux2Transformer, blocks
+from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 
-from ...conftest import count_calls
+from ...conftest import count_block_code
 from ...models.flux2.test_model import TINY
 
 pipelines = pytest.importorskip("diffusers")
@@ -29,8 +29,8 @@ def _vae() -> torch.nn.Module:
     )
 
 
-def _pipeline(cls: type) -> object:
-    transformer = diffusers_model(Flux2Transformer.random(TINY, seed=1))
+def _pipeline(cls: type, config: Flux2Config = TINY) -> object:
+    transformer = diffusers_model(Flux2Transformer.random(config, seed=1))
     scheduler = pipelines.FlowMatchEulerDiscreteScheduler()
     return cls(scheduler=scheduler, vae=_vae(), text_encoder=None, tokenizer=None, transformer=transformer)
 
@@ -38,20 +38,15 @@ def _pipeline(cls: type) -> object:
 def _run(pipe: object, **kwargs: object) -> torch.Tensor:
     embeddings = torch.randn(1, 12, TINY.joint_attention_dim, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode(), attention_backend("native"):
+        settings = {"height": 64, "width": 64, "num_inference_steps": 2, **kwargs}
         return pipe(
-            prompt_embeds=embeddings,
-            height=64,
-            width=64,
-            num_inference_steps=2,
-            generator=torch.Generator().manual_seed(0),
-            output_type="pt",
-            **kwargs,
+            prompt_embeds=embeddings, generator=torch.Generator().manual_seed(0), output_type="pt", **settings
         ).images
 
 
 def _compare(pipe: object, monkeypatch: pytest.MonkeyPatch, **kwargs: object) -> int:
     """Latents with and without the patch are equal; returns how often the patched loop ran a block."""
-    calls = count_calls(monkeypatch, blocks, "double_block_body")
+    calls = count_block_code(monkeypatch, "double_block_body")
     expected = _run(pipe, **kwargs)
     handle = enable(pipe)
     patched = _run(pipe, **kwargs)

@@ -13,15 +13,17 @@ dispatch) run fused.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...host import Attention, ModuleHost, unwrapped
+from ...host import Attention, ModuleHost, has_hooks, unwrapped
 
 # The attention of a processor on the block code's q, k, v, or None where its own call must run:
 # (host, processor, the call's attention options, the joint rows that are text) -> Attention | None.
@@ -38,12 +40,16 @@ class Binding:
     classes: the qualified names of the diffusers classes whose forward the block code reproduces
     (a class this diffusers lacks is skipped); processors: attention processor classes by qualified
     name, each with the attention it computes; forward(model, host, fusion, args, kwargs): the
-    transformer's forward on the block code, or None where diffusers' own forward must run the call.
+    transformer's forward on the block code, or None where diffusers' own forward must run the call;
+    blocks: block classes by qualified name, each with its forward on the block code
+    (block, host, fusion, *args, **kwargs), None where the class forward must run: `enable` puts it
+    under whatever calls a block (a cache's block container, block-level hooks, offloading).
     """
 
     classes: tuple[str, ...]
     processors: Mapping[str, AttentionFactory]
     forward: Callable[..., Any]
+    blocks: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
 
 
 def resolve(qualified: str) -> type | None:
@@ -68,6 +74,17 @@ class DiffusersHost(ModuleHost):
         self.processors = {
             cls: binding.processors[name] for cls, name in _resolved(binding.processors).items()
         }
+        self.block_forwards = {cls: binding.blocks[name] for cls, name in _resolved(binding.blocks).items()}
+
+    def plain(self, module: nn.Module) -> bool:
+        """As `ModuleHost.plain`, where a block's instance forward may also be the fused block forward
+        `enable` put there (nothing else wraps it then)."""
+        if type(module) not in self.classes:
+            return False
+        forward = module.__dict__.get("forward")
+        if forward is not None and not getattr(getattr(forward, "__func__", None), FUSED_MARK, False):
+            return False
+        return not has_hooks(module) and getattr(module, "_compiled_call_impl", None) is None
 
     def attention(
         self, attn: nn.Module, options: Mapping[str, Any] | None, text_tokens: int
@@ -136,3 +153,42 @@ class DiffusersHost(ModuleHost):
 
     def __repr__(self) -> str:
         return f"DiffusersHost({len(self.classes)} plain classes, {len(self.processors)} processors)"
+
+
+# Set on the functions `fused_block_method` binds, so `plain` knows a fused block forward from a wrapper.
+FUSED_MARK = "_flux2_fused_block_forward"
+
+
+@functools.cache
+def _fused_forward_of(cls: type) -> Callable[..., Any]:
+    """`fused_block_forward` dressed as `cls.forward` (its name, docstring and signature through
+    `__wrapped__`): tools that inspect a block's forward to match its pattern (cache-dit does) see
+    diffusers' signature."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return fused_block_forward(self, *args, **kwargs)
+
+    functools.update_wrapper(forward, cls.forward)
+    setattr(forward, FUSED_MARK, True)
+    return forward
+
+
+def fused_block_method(block: nn.Module) -> Any:
+    """The fused block forward bound to `block`, to install in its forward slot."""
+    return types.MethodType(_fused_forward_of(type(block)), block)
+
+
+def fused_block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A block's forward under whatever calls it (a cache's block container, block-level hooks,
+    offloading): the family's block forward with the patched transformer's host and switch, on real
+    tensors in and out; the class forward where the family declines the call, where nothing enabled
+    it, and under a torch.compile trace of the block (a block compiled on its own, as diffusers'
+    `compile_repeated_blocks` does, compiles diffusers' own forward). `enable` installs it through
+    `fused_block_method`."""
+    handle = getattr(self, "_flux2_fused_handle", None)
+    if handle is not None and not torch.compiler.is_compiling():
+        forward = handle.host.block_forwards.get(type(self))
+        out = None if forward is None else forward(self, handle.host, handle.fusion, *args, **kwargs)
+        if out is not None:
+            return out
+    return type(self).forward(self, *args, **kwargs)

@@ -1,18 +1,19 @@
-"""`enable(transformer or pipeline)`: the fused forward put in the model's forward slot, and its handle."""
+"""`enable(transformer or pipeline)`: the fused forwards put in the model's and its blocks' forward
+slots, and the handle that undoes it."""
 
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...models.deferral import Fusion
-from .host import DiffusersHost
+from .host import DiffusersHost, fused_block_method
 from .registry import FAMILIES, binding_for, qualified_name
-from .slots import binds_class_forward, forward_slots
+from .slots import forward_slots, install, uninstall
 from .version import check_version
 
 
@@ -23,7 +24,8 @@ class FusedHandle:
     `fusion.fused = False` keeps the patch but runs every site eager (for A/B comparisons). `method`
     is the fused forward bound to the transformer, wherever it sits in the forward's wrappers;
     `previous_forward` is a forward of unknown kind that was set on the instance before `enable`
-    (every call then goes through it, unfused), restored by `disable`.
+    (every call then goes through it, unfused), restored by `disable`; `blocks` are the blocks whose
+    forward slot holds the fused block forward, with the bound method that sits there.
     """
 
     transformer: nn.Module
@@ -31,25 +33,21 @@ class FusedHandle:
     fusion: Fusion
     method: Any
     previous_forward: Any = None
+    blocks: list[tuple[nn.Module, Any]] = field(default_factory=list)
 
     def __repr__(self) -> str:
         state = "active" if getattr(self.transformer, "_flux2_fused_handle", None) is self else "disabled"
         return f"FusedHandle({type(self.transformer).__name__}, fused={self.fusion.fused}, {state})"
 
     def disable(self) -> None:
-        """Restore the transformer's forward as it was before `enable`, wrappers added since kept."""
-        transformer = self.transformer
-        for holder, name in forward_slots(transformer):
-            if getattr(holder, name) is not self.method:
-                continue
-            if holder is transformer and name == "forward":
-                del transformer.__dict__["forward"]
-                if self.previous_forward is not None:
-                    transformer.forward = self.previous_forward
-            else:
-                setattr(holder, name, types.MethodType(type(transformer).forward, transformer))
-            break
-        transformer._flux2_fused_handle = None
+        """Restore the transformer's and the blocks' forwards as they were before `enable`, wrappers
+        added since kept."""
+        uninstall(self.transformer, self.method, self.previous_forward)
+        self.transformer._flux2_fused_handle = None
+        for block, method in self.blocks:
+            uninstall(block, method)
+            block._flux2_fused_handle = None
+        self.blocks.clear()
 
 
 def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -93,14 +91,17 @@ def enable(model: Any, fused: bool = True) -> FusedHandle:
     # Under wrappers that end in the class's forward (accelerate's and diffusers' hooks), the fused
     # forward takes its place there, so the wrappers run around it; a wrapper of unknown kind stays
     # outermost and is called whole (unfused).
-    for holder, name in forward_slots(transformer):
-        if binds_class_forward(getattr(holder, name), transformer):
-            setattr(holder, name, method)
-            previous = None
-            break
-    else:
-        previous = transformer.__dict__.get("forward")
-        transformer.forward = method
-    handle = FusedHandle(transformer, DiffusersHost(binding), Fusion(fused=fused), method, previous)
+    _, previous = install(transformer, method, outermost=True)
+    host = DiffusersHost(binding)
+    handle = FusedHandle(transformer, host, Fusion(fused=fused), method, previous)
     transformer._flux2_fused_handle = handle
+    # Each block's fused forward, under whatever wraps the block or calls it instead of the loop (a
+    # cache's block container, block-level hooks and offloading); a block wrapped by a forward of
+    # unknown kind keeps it, unfused.
+    for module in transformer.modules():
+        if type(module) in host.block_forwards:
+            block_method = fused_block_method(module)
+            if install(module, block_method, outermost=False)[0]:
+                module._flux2_fused_handle = handle
+                handle.blocks.append((module, block_method))
     return handle

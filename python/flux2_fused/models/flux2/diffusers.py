@@ -25,8 +25,18 @@ from torch import nn
 
 from ...host import Attention
 from ...integrations.diffusers.host import Binding, DiffusersHost
-from ..deferral import Fusion
-from .blocks import Blend, conditioning, transformer
+from ..deferral import Fusion, materialize
+from .blocks import (
+    DOUBLE_NORMS,
+    Blend,
+    Options,
+    Rope,
+    conditioning,
+    double_block_body,
+    layer_norms_plain,
+    single_block_body,
+    transformer,
+)
 
 MODULE = "diffusers.models.transformers.transformer_flux2"
 # The arguments diffusers' forward itself passes to the attention in KV-cache editing.
@@ -207,6 +217,70 @@ def forward(model: nn.Module, host: DiffusersHost, fusion: Fusion, args: tuple, 
     return Flux2Transformer2DModelOutput(sample=out) if return_dict else (out,)
 
 
+def double_block_forward(
+    block: nn.Module,
+    host: DiffusersHost,
+    fusion: Fusion,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb_mod_img: torch.Tensor,
+    temb_mod_txt: torch.Tensor,
+    image_rotary_emb: Rope | None = None,
+    joint_attention_kwargs: Options = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`Flux2TransformerBlock.forward` on the block code, for a caller other than the loop (a cache,
+    a hook): (text, image), materialized; None (diffusers' own forward) without RoPE tables or where
+    the block's norms are not plain."""
+    if image_rotary_emb is None or not layer_norms_plain(host, block, DOUBLE_NORMS):
+        return None
+    x, c = double_block_body(
+        block,
+        host,
+        fusion,
+        hidden_states,
+        encoder_hidden_states,
+        temb_mod_img,
+        temb_mod_txt,
+        image_rotary_emb,
+        joint_attention_kwargs,
+    )
+    return materialize(c), materialize(x)
+
+
+def single_block_forward(
+    block: nn.Module,
+    host: DiffusersHost,
+    fusion: Fusion,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    temb_mod: torch.Tensor,
+    image_rotary_emb: Rope | None = None,
+    joint_attention_kwargs: Options = None,
+    split_hidden_states: bool = False,
+    text_seq_len: int | None = None,
+) -> Any:
+    """`Flux2SingleTransformerBlock.forward` on the block code, with its arguments' meaning: text rows
+    given apart are put first, and `split_hidden_states` returns (text, image) split at
+    `text_seq_len`; None as in `double_block_forward`."""
+    if image_rotary_emb is None or not layer_norms_plain(host, block, ("norm",)):
+        return None
+    if encoder_hidden_states is not None:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    h = single_block_body(
+        block,
+        host,
+        fusion,
+        hidden_states,
+        temb_mod,
+        image_rotary_emb,
+        joint_attention_kwargs,
+        text_seq_len or 0,
+    )
+    h = materialize(h)
+    return (h[:, :text_seq_len], h[:, text_seq_len:]) if split_hidden_states else h
+
+
 BINDING = Binding(
     classes=(
         f"{MODULE}.Flux2TransformerBlock",
@@ -224,4 +298,8 @@ BINDING = Binding(
         f"{MODULE}.Flux2KVParallelSelfAttnProcessor": _kv_attention,
     },
     forward=forward,
+    blocks={
+        f"{MODULE}.Flux2TransformerBlock": double_block_forward,
+        f"{MODULE}.Flux2SingleTransformerBlock": single_block_forward,
+    },
 )
