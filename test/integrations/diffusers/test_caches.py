@@ -233,9 +233,7 @@ def test_caches_on_klein_4b_gpu(cache: str, monkeypatch: pytest.MonkeyPatch) -> 
     for enable_at in (None, "first", "last"):
         with monkeypatch.context() as patch:
             diffusers_blocks = _count_class_forwards(patch)
-            bodies = count_block_code(patch, "double_block_body") + count_block_code(
-                patch, "single_block_body"
-            )
+            bodies = [count_block_code(patch, f"{kind}_block_body") for kind in ("double", "single")]
             transformer = hosts.diffusers_host(config, torch.device("cuda"), torch.bfloat16)
             pipe = hosts.klein_pipeline(diffusers.Flux2KleinPipeline, transformer)
             handle = enable(pipe) if enable_at == "first" else None

@@ -13,8 +13,8 @@ dispatch) run fused.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
+import inspect
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -82,7 +82,7 @@ class DiffusersHost(ModuleHost):
         if type(module) not in self.classes:
             return False
         forward = module.__dict__.get("forward")
-        if forward is not None and not getattr(getattr(forward, "__func__", None), FUSED_MARK, False):
+        if forward is not None and not isinstance(forward, FusedBlockForward):
             return False
         return not has_hooks(module) and getattr(module, "_compiled_call_impl", None) is None
 
@@ -155,40 +155,29 @@ class DiffusersHost(ModuleHost):
         return f"DiffusersHost({len(self.classes)} plain classes, {len(self.processors)} processors)"
 
 
-# Set on the functions `fused_block_method` binds, so `plain` knows a fused block forward from a wrapper.
-FUSED_MARK = "_flux2_fused_block_forward"
-
-
-@functools.cache
-def _fused_forward_of(cls: type) -> Callable[..., Any]:
-    """`fused_block_forward` dressed as `cls.forward` (its name, docstring and signature through
-    `__wrapped__`): tools that inspect a block's forward to match its pattern (cache-dit does) see
-    diffusers' signature."""
-
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return fused_block_forward(self, *args, **kwargs)
-
-    functools.update_wrapper(forward, cls.forward)
-    setattr(forward, FUSED_MARK, True)
-    return forward
-
-
-def fused_block_method(block: nn.Module) -> Any:
-    """The fused block forward bound to `block`, to install in its forward slot."""
-    return types.MethodType(_fused_forward_of(type(block)), block)
-
-
-def fused_block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+class FusedBlockForward:
     """A block's forward under whatever calls it (a cache's block container, block-level hooks,
     offloading): the family's block forward with the patched transformer's host and switch, on real
     tensors in and out; the class forward where the family declines the call, where nothing enabled
-    it, and under a torch.compile trace of the block (a block compiled on its own, as diffusers'
-    `compile_repeated_blocks` does, compiles diffusers' own forward). `enable` installs it through
-    `fused_block_method`."""
-    handle = getattr(self, "_flux2_fused_handle", None)
-    if handle is not None and not torch.compiler.is_compiling():
-        forward = handle.host.block_forwards.get(type(self))
-        out = None if forward is None else forward(self, handle.host, handle.fusion, *args, **kwargs)
-        if out is not None:
-            return out
-    return type(self).forward(self, *args, **kwargs)
+    the block, and under a torch.compile trace of the block (a block compiled on its own, as
+    diffusers' `compile_repeated_blocks` does, compiles diffusers' own forward).
+
+    `enable` puts one in each block's forward slot. A callable object, not a bound function, so that
+    `DiffusersHost.plain` recognizes it with `isinstance` (which torch.compile traces); it shows the
+    class forward's signature, for tools that match a block's pattern by it (cache-dit)."""
+
+    __slots__ = ("__signature__", "block")
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.__signature__ = inspect.signature(types.MethodType(type(block).forward, block))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        block = self.block
+        handle = getattr(block, "_flux2_fused_handle", None)
+        if handle is not None and not torch.compiler.is_compiling():
+            forward = handle.host.block_forwards.get(type(block))
+            out = None if forward is None else forward(block, handle.host, handle.fusion, *args, **kwargs)
+            if out is not None:
+                return out
+        return type(block).forward(block, *args, **kwargs)

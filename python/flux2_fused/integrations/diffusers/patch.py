@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ...models.deferral import Fusion
-from .host import DiffusersHost, fused_block_method
+from .host import DiffusersHost, FusedBlockForward
 from .registry import FAMILIES, binding_for, qualified_name
 from .slots import forward_slots, install, uninstall
 from .version import check_version
@@ -100,7 +100,7 @@ def enable(model: Any, fused: bool = True) -> FusedHandle:
     # unknown kind keeps it, unfused.
     for module in transformer.modules():
         if type(module) in host.block_forwards:
-            block_method = fused_block_method(module)
+            block_method = FusedBlockForward(module)
             if install(module, block_method, outermost=False)[0]:
                 module._flux2_fused_handle = handle
                 handle.blocks.append((module, block_method))
