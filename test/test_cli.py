@@ -678,10 +678,15 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("args", "environment", "message"),
     [
-        (["step", "--lora", "4"], None, "--lora and --offload apply to --host diffusers"),
-        (["step", "--offload", "model"], None, "--lora and --offload apply to --host diffusers"),
+        (["step", "--lora", "4"], None, "--lora, --offload and --quantize apply to --host diffusers"),
+        (["step", "--offload", "model"], None, "--lora, --offload and --quantize apply to --host diffusers"),
+        (["step", "--quantize", "int8"], None, "--lora, --offload and --quantize apply to --host diffusers"),
         (["step", "--host", "diffusers", "--lora", "0"], None, "--lora must be at least 1, got 0"),
-        (["step", "--host", "diffusers", "--compile"], None, "--compile runs the package host only"),
+        (
+            ["step", "--host", "diffusers", "--compile", "--lora", "4"],
+            None,
+            "--compile on --host diffusers takes --quantize, not --lora or --offload",
+        ),
         (["step", "--steps", "0"], None, "--steps must be at least 1, got 0"),
         (["step", "--host", "diffusers"], "no diffusers", "--host diffusers: diffusers is not installed"),
         (
@@ -699,6 +704,7 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
             "no accelerate",
             "--offload model needs accelerate",
         ),
+        (["step", "--host", "diffusers", "--quantize", "int8"], "no torchao", "--quantize needs torchao"),
         (["pipeline", "--height", "1000"], None, "--height 1000 is not a positive multiple of 16"),
         (["pipeline", "--pairs", "0"], None, "--pairs must be at least 1, got 0"),
         (["pipeline", "--txt-tokens", "0"], None, "--txt-tokens must be at least 1, got 0"),
@@ -730,13 +736,15 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     ids=[
         "lora-without-diffusers-host",
         "offload-without-diffusers-host",
+        "quantize-without-diffusers-host",
         "lora-rank",
-        "compile-diffusers",
+        "compile-diffusers-lora",
         "steps",
         "no-diffusers",
         "diffusers-too-new",
         "no-peft",
         "no-accelerate",
+        "no-torchao",
         "pipeline-height",
         "pipeline-pairs",
         "pipeline-txt-tokens",

@@ -80,3 +80,17 @@ def test_the_pipeline_benchmarks_call_makes_the_same_image_with_enable(double_bl
     assert images[True].shape == (1, 3, 64, 64) and torch.isfinite(images[True]).all()
     assert torch.equal(images[True], images[False])
     assert len(double_blocks) == 2 * 2 * TINY.num_layers  # two steps of two calls (CFG)
+
+
+def test_the_quantized_diffusers_host_switches_with_the_same_output(double_blocks: list[int]) -> None:
+    """`flux2-fused step --host diffusers --quantize int8`: torchao's dynamic int8 linears in the blocks
+    (the float8 ones need a GPU), diffusers' forward and enable()'s equal, the blocks fused around them."""
+    pytest.importorskip("torchao")
+    model = hosts.diffusers_host(TINY, CPU, torch.float32, quantization="int8")
+    assert type(model.transformer_blocks[0].attn.to_q.weight) is not torch.nn.Parameter
+    inputs = make_inputs(TINY, 2, torch.float32, guidance=True)
+    with torch.inference_mode():
+        plain = model(**inputs, return_dict=False)[0]
+        hosts.use_fused(model, True)
+        fused = model(**inputs, return_dict=False)[0]
+    assert torch.equal(fused, plain) and len(double_blocks) == TINY.num_layers

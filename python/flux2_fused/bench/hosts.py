@@ -39,7 +39,9 @@ LORA_TARGETS = (
 )
 
 
-def check_diffusers_host(what: str, lora_rank: int | None = None, offload: str = "none") -> None:
+def check_diffusers_host(
+    what: str, lora_rank: int | None = None, offload: str = "none", quantization: str = "none"
+) -> None:
     """BadValue (exit status 2) naming what this environment lacks for the diffusers host with these
     options, so a run fails in one line before it builds a model; `what` names the request."""
     from ..integrations.diffusers import check_version
@@ -48,7 +50,11 @@ def check_diffusers_host(what: str, lora_rank: int | None = None, offload: str =
         check_version()
     except RuntimeError as err:
         raise BadValue(f"{what}: {str(err).removeprefix('flux2-fused: ')}") from err
-    needs = {"--lora": ("peft", lora_rank is not None), "--offload model": ("accelerate", offload == "model")}
+    needs = {
+        "--lora": ("peft", lora_rank is not None),
+        "--offload model": ("accelerate", offload == "model"),
+        "--quantize": ("torchao", quantization != "none"),
+    }
     for option, (package, needed) in needs.items():
         if needed and importlib.util.find_spec(package) is None:
             raise BadValue(f"{option} needs {package}, which is not installed (pip install {package})")
@@ -111,6 +117,29 @@ def offload(model: nn.Module, kind: str, device: torch.device) -> None:
         )
 
 
+def quantize(model: nn.Module, kind: str) -> None:
+    """torchao's dynamic quantization (`kind` from options.QUANTIZATIONS) of every Linear in the
+    blocks, as users quantize a FLUX.2 transformer (the embedders and the output projection stay):
+    float8 activations and weights scaled per row or per tensor, or int8."""
+    if kind == "none":
+        return
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        PerRow,
+        PerTensor,
+        quantize_,
+    )
+
+    configs = {
+        "float8-row": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
+        "float8-tensor": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor()),
+        "int8": Int8DynamicActivationInt8WeightConfig,
+    }
+    for blocks in (model.transformer_blocks, model.single_transformer_blocks):
+        quantize_(blocks, configs[kind]())
+
+
 def diffusers_host(
     config: Flux2Config,
     device: torch.device,
@@ -118,12 +147,14 @@ def diffusers_host(
     lora_rank: int | None = None,
     offload_kind: str = "none",
     seed: int = 0,
+    quantization: str = "none",
 ) -> nn.Module:
     """The diffusers host of the step benchmark: diffusers' model with the package's random weights
-    (`Flux2Transformer.random(config, seed)`), in eval mode as `from_pretrained` returns it, with a
-    LoRA of `lora_rank` and then the offload, the order of a user who loads a pipeline and its adapter,
-    then turns offloading on (and then `enable()`)."""
+    (`Flux2Transformer.random(config, seed)`), in eval mode as `from_pretrained` returns it, quantized,
+    with a LoRA of `lora_rank` and then the offload, the order of a user who loads a pipeline and its
+    adapter, then turns offloading on (and then `enable()`)."""
     model = diffusers_model(Flux2Transformer.random(config, seed=seed, device=device, dtype=dtype)).eval()
+    quantize(model, quantization)
     if lora_rank is not None:
         add_lora(model, lora_rank)
     offload(model, offload_kind, device)

@@ -29,6 +29,8 @@ PIPELINE_CONFIGS = ("klein-4b", "klein-9b")  # the Klein pipeline's transformers
 PIPELINE_CACHES = ("none", "cache-dit", "magcache")  # what `pipeline --cache` stacks on the transformer
 HOSTS = ("package", "diffusers")
 OFFLOADS = ("none", "model", "group")
+# torchao quantizations of the diffusers host's linears (`bench.hosts.QUANTIZATIONS` builds them).
+QUANTIZATIONS = ("none", "float8-row", "float8-tensor", "int8")
 # `flux2-fused kernel`
 KERNEL_OPS = ("gated_resnorm", "qk_norm_rope", "swiglu")  # kernel.CASES' names
 KERNEL_DTYPES = ("bf16", "fp16")  # kernel.DTYPES' names
@@ -94,7 +96,11 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         "--img-tokens", type=int, default=4096, metavar="N", help="image tokens (default 4096 = 1024x1024)"
     )
     parser.add_argument("--txt-tokens", type=int, default=512, metavar="N", help="text tokens (default 512)")
-    parser.add_argument("--compile", action="store_true", help="both modes under torch.compile(model)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="both modes under torch.compile(model) (not bit-exact: Inductor fuses the chains itself)",
+    )
     parser.add_argument(
         "--host",
         choices=HOSTS,
@@ -114,6 +120,13 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="--host diffusers: weights on the CPU between uses; model: accelerate's hook as "
         "enable_model_cpu_offload, group: block-level group offloading with a side stream (default: none)",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="--host diffusers: torchao dynamic quantization of every Linear in the blocks: float8 "
+        "activations and weights scaled per row or per tensor (sm_89 or newer), or int8 (default: none)",
     )
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the results to FILE")
 

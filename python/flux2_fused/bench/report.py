@@ -294,6 +294,8 @@ class StepResult:
     - lora_rank: rank of the peft LoRA on the diffusers host's attention and MLP linears, null for none
     - offload: the diffusers host's CPU offload: "none", "model" (accelerate's hook, as
       enable_model_cpu_offload) or "group" (block-level group offloading on a side stream)
+    - quantization: the diffusers host's torchao dynamic quantization of the blocks' linears: "none",
+      "float8-row", "float8-tensor" or "int8"
     """
 
     config: str
@@ -315,12 +317,15 @@ class StepResult:
     host: str = "package"
     lora_rank: int | None = None
     offload: str = "none"
+    quantization: str = "none"
 
     @property
     def host_label(self) -> str:
         """The host and its setup in words, as the tables name a row's model."""
-        setup = ([f"LoRA r{self.lora_rank}"] if self.lora_rank is not None else []) + (
-            [f"{self.offload} offload"] if self.offload != "none" else []
+        setup = (
+            ([f"torchao {self.quantization}"] if self.quantization != "none" else [])
+            + ([f"LoRA r{self.lora_rank}"] if self.lora_rank is not None else [])
+            + ([f"{self.offload} offload"] if self.offload != "none" else [])
         )
         return f"{self.host} ({', '.join(setup)})" if setup else self.host
 

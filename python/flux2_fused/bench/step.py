@@ -2,6 +2,7 @@
 
     flux2-fused step [--configs dev klein-4b] [--steps N] [--compile] [--json FILE]
                      [--host package|diffusers] [--lora R] [--offload none|model|group]
+                     [--quantize none|float8-row|float8-tensor|int8]
 
 Random weights built on the GPU; the same model runs with `fused = False` and `fused = True` on the
 same inputs, interleaved step by step, after a warm-up step of each (the fused one self-checks).
@@ -9,7 +10,8 @@ With --host diffusers the model is diffusers' Flux2Transformer2DModel holding th
 weights (`bench.hosts`), eager is diffusers' own forward and fused is `enable(model)`, switched step
 by step; --lora R adds a peft LoRA of rank R, --offload puts its weights on the CPU between uses
 (model: accelerate's hook, as `enable_model_cpu_offload`; group: diffusers' block-level group
-offloading on a side stream).
+offloading on a side stream), --quantize applies torchao's dynamic quantization to the blocks'
+linears.
 Two timings, each of N pairs (CUDA events):
 - synchronized: every step starts on an idle GPU and is waited for, so it includes the time the
   GPU spends waiting for the host to launch the step's first kernels;
@@ -23,12 +25,13 @@ the fused path is bit-exact). The same profiled step of each mode is split by ke
 attention, fused, other; `kernel_class`) into kernel time and launches, printed as a second table:
 it shows how much of a step the fused ops can touch at all, GEMM and attention being the rest.
 
-With --compile both modes run through `torch.compile(model)` (one compiled graph per mode): the
-compiled tier, where the fused sites are flux2_fused operators and the fast-path-off graph uses
-Inductor's own fusion of the chain. Compiled outputs differ from eager (Inductor is not bit-exact),
-so there the hashes are reported, not compared. The compiled tier's gain is small next to the
-step-to-step spread (klein-4b: ~0.5 ms against a standard deviation of the paired difference of ~1 ms
-synchronized, ~0.3 ms pipelined), so --compile defaults to 100 pairs.
+With --compile both modes run through `torch.compile(model)` (one compiled graph per mode; on the
+diffusers host one compiled module whose forward the switch changes): the compiled tier, where the
+fused sites are flux2_fused operators and the fast-path-off graph uses Inductor's own fusion of the
+chain. Compiled outputs differ from eager (Inductor is not bit-exact), so there the hashes are
+reported, not compared. The compiled tier's gain is small next to the step-to-step spread (klein-4b:
+~0.5 ms against a standard deviation of the paired difference of ~1 ms synchronized, ~0.3 ms
+pipelined), so --compile defaults to 100 pairs.
 """
 
 from __future__ import annotations
@@ -176,17 +179,26 @@ def _package_run(config: Flux2Config, inputs: dict, compiled: bool) -> Callable[
 
 
 def _diffusers_run(
-    config: Flux2Config, inputs: dict, lora_rank: int | None, offload: str
+    config: Flux2Config,
+    inputs: dict,
+    lora_rank: int | None,
+    offload: str,
+    quantization: str = "none",
+    compiled: bool = False,
 ) -> tuple[Callable[[bool], torch.Tensor], Callable[[bool], None]]:
     """One step of diffusers' model with the same random weights, its own forward or enable()'s, and
-    the switch between the two (for time_synchronized to call outside the timing)."""
+    the switch between the two (for time_synchronized to call outside the timing). Compiled, the one
+    `torch.compile(model)` holds a graph for each mode (the switch changes the forward it traces)."""
     device = torch.device("cuda", torch.cuda.current_device())
-    model = hosts.diffusers_host(config, device, torch.bfloat16, lora_rank, offload)
+    model = hosts.diffusers_host(
+        config, device, torch.bfloat16, lora_rank, offload, quantization=quantization
+    )
     switch = functools.partial(hosts.use_fused, model)
+    forward = torch.compile(model) if compiled else model
 
     def run(fused: bool) -> torch.Tensor:
         switch(fused)
-        return model(**inputs, return_dict=False)[0]
+        return forward(**inputs, return_dict=False)[0]
 
     return run, switch
 
@@ -201,12 +213,13 @@ def bench_config(
     host: str = "package",
     lora_rank: int | None = None,
     offload: str = "none",
+    quantization: str = "none",
 ) -> StepResult:
     config = Flux2Config.preset(name)
     inputs = step_inputs(config, batch, img_tokens, txt_tokens, torch.bfloat16)
     switch = None
     if host == "diffusers":
-        run, switch = _diffusers_run(config, inputs, lora_rank, offload)
+        run, switch = _diffusers_run(config, inputs, lora_rank, offload, quantization, compiled)
     else:
         run = _package_run(config, inputs, compiled)
 
@@ -236,6 +249,7 @@ def bench_config(
         host=host,
         lora_rank=lora_rank,
         offload=offload,
+        quantization=quantization,
     )
 
 
@@ -253,12 +267,12 @@ def check(args: argparse.Namespace) -> None:
         }
     )
     if args.host == "package":
-        if args.lora is not None or args.offload != "none":
-            raise BadValue("--lora and --offload apply to --host diffusers")
+        if args.lora is not None or args.offload != "none" or args.quantize != "none":
+            raise BadValue("--lora, --offload and --quantize apply to --host diffusers")
         return
-    if args.compile:
-        raise BadValue("--compile runs the package host only")
-    hosts.check_diffusers_host("--host diffusers", args.lora, args.offload)
+    if args.compile and (args.lora is not None or args.offload != "none"):
+        raise BadValue("--compile on --host diffusers takes --quantize, not --lora or --offload")
+    hosts.check_diffusers_host("--host diffusers", args.lora, args.offload, args.quantize)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -278,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
                 host=args.host,
                 lora_rank=args.lora,
                 offload=args.offload,
+                quantization=args.quantize,
             )
         )
         gc.collect()  # drop the previous model (dev is 64 GB) before building the next

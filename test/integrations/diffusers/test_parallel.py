@@ -23,7 +23,6 @@ from flux2_fused.bench.parallel import ParallelRequest, parse_plan, step_inputs
 from flux2_fused.integrations import diffusers as integration
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 from flux2_fused.models.flux2 import blocks as flux2_blocks
-from flux2_fused.models.flux2 import diffusers as flux2_diffusers
 
 pytest.importorskip("diffusers")
 
@@ -39,8 +38,7 @@ def _worker(rank: int, port: int, results: object) -> None:
     request = ParallelRequest(config="tiny", img_tokens=36, txt_tokens=12, batch=2, dtype=torch.float32)
     config = Flux2Config.preset("tiny")
     blocks = []
-    counted = _counted(flux2_blocks.double_block_body, blocks)
-    flux2_blocks.double_block_body = flux2_diffusers.double_block_body = counted
+    flux2_blocks.double_block_body = _counted(flux2_blocks.double_block_body, blocks)
     try:
         for plan, order in CASES:
             model = hosts.diffusers_model(Flux2Transformer.random(config, seed=5)).eval()

@@ -244,6 +244,33 @@ def double_block(
     return x_out, c_out
 
 
+def double_block_call(
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb_mod_img: torch.Tensor,
+    temb_mod_txt: torch.Tensor,
+    image_rotary_emb: Rope,
+    joint_attention_kwargs: Options = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A double block as diffusers calls one (its keyword arguments, (text, image) back), on real
+    tensors: the body, its updates materialized at the block's edge, where the caller reads them."""
+    x, c = double_block_body(
+        block,
+        host,
+        fusion,
+        hidden_states,
+        encoder_hidden_states,
+        temb_mod_img,
+        temb_mod_txt,
+        image_rotary_emb,
+        joint_attention_kwargs,
+    )
+    return materialize(c), materialize(x)
+
+
 def single_block_body(
     block: nn.Module,
     host: Host,
@@ -282,6 +309,37 @@ def single_block(
         image_rotary_emb=rope,
         joint_attention_kwargs=options,
     )
+
+
+def single_block_call(
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    temb_mod: torch.Tensor,
+    image_rotary_emb: Rope,
+    joint_attention_kwargs: Options = None,
+    split_hidden_states: bool = False,
+    text_seq_len: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A single block as diffusers calls one, on real tensors: text rows given apart are put first,
+    and `split_hidden_states` returns (text, image) split at `text_seq_len`."""
+    if encoder_hidden_states is not None:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    h = single_block_body(
+        block,
+        host,
+        fusion,
+        hidden_states,
+        temb_mod,
+        image_rotary_emb,
+        joint_attention_kwargs,
+        text_seq_len or 0,
+    )
+    h = materialize(h)
+    return (h[:, :text_seq_len], h[:, text_seq_len:]) if split_hidden_states else h
 
 
 def output_norm_body(

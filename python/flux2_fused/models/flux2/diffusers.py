@@ -25,16 +25,16 @@ from torch import nn
 
 from ...host import Attention
 from ...integrations.diffusers.host import Binding, DiffusersHost
-from ..deferral import Fusion, materialize
+from ..deferral import Fusion
 from .blocks import (
     DOUBLE_NORMS,
     Blend,
     Options,
     Rope,
     conditioning,
-    double_block_body,
+    double_block_call,
     layer_norms_plain,
-    single_block_body,
+    single_block_call,
     transformer,
 )
 
@@ -229,11 +229,11 @@ def double_block_forward(
     joint_attention_kwargs: Options = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`Flux2TransformerBlock.forward` on the block code, for a caller other than the loop (a cache,
-    a hook): (text, image), materialized; None (diffusers' own forward) without RoPE tables or where
-    the block's norms are not plain."""
+    a hook); None (diffusers' own forward) without RoPE tables or where the block's norms are not
+    plain."""
     if image_rotary_emb is None or not layer_norms_plain(host, block, DOUBLE_NORMS):
         return None
-    x, c = double_block_body(
+    return double_block_call(
         block,
         host,
         fusion,
@@ -244,7 +244,6 @@ def double_block_forward(
         image_rotary_emb,
         joint_attention_kwargs,
     )
-    return materialize(c), materialize(x)
 
 
 def single_block_forward(
@@ -259,26 +258,21 @@ def single_block_forward(
     split_hidden_states: bool = False,
     text_seq_len: int | None = None,
 ) -> Any:
-    """`Flux2SingleTransformerBlock.forward` on the block code, with its arguments' meaning: text rows
-    given apart are put first, and `split_hidden_states` returns (text, image) split at
-    `text_seq_len`; None as in `double_block_forward`."""
+    """`Flux2SingleTransformerBlock.forward` on the block code; None as in `double_block_forward`."""
     if image_rotary_emb is None or not layer_norms_plain(host, block, ("norm",)):
         return None
-    if encoder_hidden_states is not None:
-        text_seq_len = encoder_hidden_states.shape[1]
-        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    h = single_block_body(
+    return single_block_call(
         block,
         host,
         fusion,
         hidden_states,
+        encoder_hidden_states,
         temb_mod,
         image_rotary_emb,
         joint_attention_kwargs,
-        text_seq_len or 0,
+        split_hidden_states,
+        text_seq_len,
     )
-    h = materialize(h)
-    return (h[:, :text_seq_len], h[:, text_seq_len:]) if split_hidden_states else h
 
 
 BINDING = Binding(

@@ -24,18 +24,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...host import ModuleHost, sdpa
-from ..deferral import Fusion, materialize
+from ..deferral import Fusion
 from ..weights import CONFIG_NAME, WeightsError, read_config, save_folder, shard_files, stream_into
 from .blocks import (
     Options,
     Rope,
     conditioning,
     double_attention,
-    double_block_body,
+    double_block_call,
     joint_rope,
     output_norm_body,
     parallel_attention,
-    single_block_body,
+    single_block_call,
     swiglu_mlp,
     transformer,
 )
@@ -227,7 +227,7 @@ class Flux2DoubleBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(image [B, N, D], text [B, L, D], modulations [B, 6D] each, rope) -> (text, image), as
         diffusers' block returns them, materialized."""
-        x, c = double_block_body(
+        return double_block_call(
             self,
             HOST,
             self.fusion,
@@ -238,7 +238,6 @@ class Flux2DoubleBlock(nn.Module):
             image_rotary_emb,
             joint_attention_kwargs,
         )
-        return materialize(c), materialize(x)
 
 
 class Flux2SingleBlock(nn.Module):
@@ -259,18 +258,22 @@ class Flux2SingleBlock(nn.Module):
         temb_mod: torch.Tensor,
         image_rotary_emb: Rope,
         joint_attention_kwargs: Options = None,
-    ) -> torch.Tensor:
-        """(joint rows [B, L + N, D], None, modulation [B, 3D], rope) -> joint rows, materialized; text
-        rows given apart as `encoder_hidden_states` are put first, as diffusers does."""
-        h = hidden_states
-        text_tokens = 0
-        if encoder_hidden_states is not None:
-            text_tokens = encoder_hidden_states.shape[1]
-            h = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-        return materialize(
-            single_block_body(
-                self, HOST, self.fusion, h, temb_mod, image_rotary_emb, joint_attention_kwargs, text_tokens
-            )
+        split_hidden_states: bool = False,
+        text_seq_len: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """(joint rows [B, L + N, D], None, modulation [B, 3D], rope) -> joint rows, materialized;
+        diffusers' arguments mean what they mean there (text rows given apart, a split output)."""
+        return single_block_call(
+            self,
+            HOST,
+            self.fusion,
+            hidden_states,
+            encoder_hidden_states,
+            temb_mod,
+            image_rotary_emb,
+            joint_attention_kwargs,
+            split_hidden_states,
+            text_seq_len,
         )
 
 
