@@ -57,12 +57,17 @@ class Host(Protocol):
 
 
 def has_hooks(module: nn.Module) -> bool:
-    """Whether calling `module` would run forward hooks (its own or global ones)."""
+    """Whether calling `module` would run hooks (forward or backward, its own or global ones)."""
+    hooks = torch.nn.modules.module
     return bool(
         module._forward_hooks
         or module._forward_pre_hooks
-        or torch.nn.modules.module._global_forward_hooks
-        or torch.nn.modules.module._global_forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
     )
 
 

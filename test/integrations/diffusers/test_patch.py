@@ -788,3 +788,129 @@ def test_modules_are_called_in_diffusers_order(kv: bool) -> None:
         if handle is not None:
             handle.disable()
     assert orders[0] == orders[1] and len(orders[0]) > 20
+
+
+# --------------------------------------------------------------------------- what a module call may hide
+
+
+@pytest.mark.parametrize("how", ["replaced", "hooked"])
+def test_a_changed_swiglu_gate_runs_as_diffusers_module(how: str, routes: dict[str, int]) -> None:
+    """The SwiGLU's SiLU (`gate_fn`) replaced or hooked: the op would compute silu itself, so the
+    feed-forward (and the single block's attention + MLP) run as diffusers' module calls."""
+
+    def change(model: torch.nn.Module) -> None:
+        for act in (
+            model.transformer_blocks[0].ff.act_fn,
+            model.single_transformer_blocks[0].attn.mlp_act_fn,
+        ):
+            if how == "replaced":
+                act.gate_fn = torch.nn.GELU()
+            else:
+                act.gate_fn.register_forward_hook(lambda m, a, o: o * 2)
+
+    patched, expected = _patched_and_diffusers(_model(), change)
+    assert torch.equal(patched, expected)
+    assert routes["diffusers ff"] == 1 and routes["diffusers single attention"] == 1
+
+
+def test_backward_hooks_keep_their_module_call() -> None:
+    """A full backward hook on a block: the block runs as a module call (its fused forward), so the
+    hook sees the block's gradients and every parameter gradient equals diffusers'."""
+    model = _model()
+    seen: list[str] = []
+    model.transformer_blocks[1].register_full_backward_pre_hook(
+        lambda m, grad_output: (
+            seen.append("hook"),
+            tuple(None if g is None else 0.5 * g for g in grad_output),
+        )[1]
+    )
+    inputs = _inputs(TINY, "cpu", torch.float32)
+    grads = {}
+    for patched in (True, False):
+        handle = enable(model) if patched else None
+        model.zero_grad()
+        with attention_backend("native"):
+            model(**inputs).sample.sum().backward()
+        if handle is not None:
+            handle.disable()
+        grads[patched] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert seen == ["hook", "hook"]
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False], strict=True))
+
+
+def test_hooked_qk_norms_run_in_diffusers_order() -> None:
+    order: list[str] = []
+    model = _model()
+    attn = model.transformer_blocks[0].attn
+    for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+        getattr(attn, name).register_forward_pre_hook(lambda m, a, name=name: order.append(name))
+    patched, expected = _patched_and_diffusers(model)
+    assert torch.equal(patched, expected)
+    assert order == ["norm_q", "norm_k", "norm_added_q", "norm_added_k"] * 2  # patched, then diffusers
+
+
+# --------------------------------------------------------------------------- enabling again, copies
+
+
+def test_enable_again_under_a_wrapper_of_the_old_forward_does_not_loop() -> None:
+    """A wrapper set on the instance around the fused forward, then enable() again: the new fused
+    forward stays outermost and calls the wrapper, which ends in the old fused forward; that inner
+    call runs diffusers' own forward instead of coming back around."""
+    model = _model()
+    enable(model)
+    inner = model.forward
+    calls = []
+    model.forward = lambda *a, **k: calls.append(1) or inner(*a, **k)
+    handle = enable(model)
+    inputs = _inputs(TINY, "cpu", torch.float32)
+    with torch.inference_mode(), attention_backend("native"):
+        patched = model(**inputs).sample
+        handle.disable()
+        expected = type(model).forward(model, **inputs).sample
+    assert torch.equal(patched, expected) and calls == [1]
+
+
+def test_enable_afresh_takes_the_blocks_and_disable_restores_them(routes: dict[str, int]) -> None:
+    """The fused forward replaced from outside, enable() again: the old handle is undone, the new one
+    holds every block, and its disable() leaves diffusers' own forwards everywhere."""
+    model = _model()
+    first = enable(model)
+    model.forward = types.MethodType(type(model).forward, model)
+    second = enable(model)
+    blocks = (*model.transformer_blocks, *model.single_transformer_blocks)
+    assert second is not first and len(second.blocks) == len(blocks)
+    second.disable()
+    assert all("forward" not in block.__dict__ for block in blocks)
+    with torch.inference_mode(), attention_backend("native"):
+        model(**_inputs(TINY, "cpu", torch.float32))
+    assert routes["double"] == 0 and routes["single"] == 0
+
+
+def test_a_copied_block_does_not_copy_the_model() -> None:
+    model = _model()
+    handle = enable(model)
+    block = copy.deepcopy(model.transformer_blocks[0])
+    params = sum(p.numel() for p in block.parameters())
+    assert sum(p.numel() for p in model.transformer_blocks[0].parameters()) == params
+    assert block._flux2_fused_handle() is handle  # a weak reference, shared, not a copied model
+    handle.disable()
+
+
+def test_compiled_kv_extraction_with_reference_rows_equals_diffusers() -> None:
+    """KV extraction's per-token modulation under torch.compile: the pending single-block update's
+    per-token gate is cut to the output rows with the stream."""
+    model = _model()
+    use_kv_processors(model)
+    inputs = _inputs(TINY, "cpu", torch.float32, img=9 + 28)
+    handle = enable(model)
+    torch.compiler.reset()
+    try:
+        with torch.inference_mode(), attention_backend("native"):
+            compiled = torch.compile(model, backend="eager")(
+                **inputs, kv_cache_mode="extract", num_ref_tokens=9
+            )
+            handle.disable()
+            expected = model(**inputs, kv_cache_mode="extract", num_ref_tokens=9)
+    finally:
+        torch.compiler.reset()
+    assert torch.equal(compiled.sample, expected.sample)

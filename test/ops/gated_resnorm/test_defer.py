@@ -57,3 +57,15 @@ def test_a_switched_off_site_is_the_eager_chain(monkeypatch: pytest.MonkeyPatch)
     )
     expected = gated_resnorm.reference.gated_resnorm(x, update, gate, scale, shift)
     assert torch.equal(out, expected[0]) and torch.equal(stream, expected[1])
+
+
+@pytest.mark.parametrize("gate_rows", [1, 5], ids=["broadcast-gate", "per-token-gate"])
+@pytest.mark.parametrize("batched", [True, False], ids=["BTD", "TD"])
+def test_rows_are_the_same_rows_of_the_whole_stream(gate_rows: int, batched: bool) -> None:
+    """`rows(start)` cuts tokens (never channels) from the residual, the update and a per-token gate."""
+    gen = torch.Generator().manual_seed(1)
+    lead = (2,) if batched else ()
+    x, update = torch.randn(*lead, 5, 8, generator=gen), torch.randn(*lead, 5, 8, generator=gen)
+    gate = torch.randn(*lead, gate_rows, 8, generator=gen)
+    segment = Segment(x, update, gate)
+    assert torch.equal(segment.rows(2).materialize(), segment.materialize()[..., 2:, :])

@@ -4,6 +4,7 @@ slots, and the handle that undoes it."""
 from __future__ import annotations
 
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,9 @@ class FusedHandle:
     method: Any
     previous_forward: Any = None
     blocks: list[tuple[nn.Module, Any]] = field(default_factory=list)
+    # True while `previous_forward` runs: a call that comes back into the fused forward from inside it
+    # (a wrapper that ends in an older fused forward) runs diffusers' own forward, instead of looping.
+    calling_previous: bool = False
 
     def __repr__(self) -> str:
         state = "active" if getattr(self.transformer, "_flux2_fused_handle", None) is self else "disabled"
@@ -43,7 +47,8 @@ class FusedHandle:
         """Restore the transformer's and the blocks' forwards as they were before `enable`, wrappers
         added since kept."""
         uninstall(self.transformer, self.method, self.previous_forward)
-        self.transformer._flux2_fused_handle = None
+        if getattr(self.transformer, "_flux2_fused_handle", None) is self:
+            self.transformer._flux2_fused_handle = None
         for block, method in self.blocks:
             uninstall(block, method)
             block._flux2_fused_handle = None
@@ -66,8 +71,13 @@ def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out = handle.host.binding.forward(self, handle.host, handle.fusion, args, kwargs)
         if out is not None:
             return out
-    original = (handle and handle.previous_forward) or types.MethodType(type(self).forward, self)
-    return original(*args, **kwargs)
+    if handle is not None and handle.previous_forward is not None and not handle.calling_previous:
+        handle.calling_previous = True
+        try:
+            return handle.previous_forward(*args, **kwargs)
+        finally:
+            handle.calling_previous = False
+    return type(self).forward(self, *args, **kwargs)
 
 
 def enable(model: Any, fused: bool = True) -> FusedHandle:
@@ -86,7 +96,7 @@ def enable(model: Any, fused: bool = True) -> FusedHandle:
     if existing is not None:
         if any(getattr(holder, name) is existing.method for holder, name in forward_slots(transformer)):
             return existing
-        transformer._flux2_fused_handle = None  # replaced from outside since: install afresh
+        existing.disable()  # its forward was replaced from outside since: undo the rest, install afresh
     method = types.MethodType(_fused_forward, transformer)
     # Under wrappers that end in the class's forward (accelerate's and diffusers' hooks), the fused
     # forward takes its place there, so the wrappers run around it; a wrapper of unknown kind stays
@@ -102,6 +112,7 @@ def enable(model: Any, fused: bool = True) -> FusedHandle:
         if type(module) in host.block_forwards:
             block_method = FusedBlockForward(module)
             if install(module, block_method, outermost=False)[0]:
-                module._flux2_fused_handle = handle
+                # A weak reference: a block copied on its own must not copy the whole model with it.
+                module._flux2_fused_handle = weakref.ref(handle)
                 handle.blocks.append((module, block_method))
     return handle

@@ -56,6 +56,15 @@ def layer_norms_plain(host: Host, module: nn.Module, names: Iterable[str]) -> bo
     return True
 
 
+def activation_plain(host: Host, act: nn.Module | None) -> bool:
+    """A SwiGLU held as a module (diffusers' `Flux2SwiGLU`, absent in the package's model) may be
+    computed by the op: it is plain, and so is every module it calls (its `gate_fn`, a SiLU)."""
+    if act is None:
+        return True
+    children = list(act.children())
+    return host.plain(act) and all(type(child) is nn.SiLU and host.plain(child) for child in children)
+
+
 def prologue(
     host: Host,
     fusion: Fusion,
@@ -71,12 +80,15 @@ def prologue(
     norms = [norm for _, norm in (*q, *k)]
     plain = all(type(norm) is nn.RMSNorm and host.plain(norm) for norm in norms)
     if not plain or len({norm.eps for norm in norms}) != 1:
-        joint = []
-        for parts in (q, k):
-            normed = [host.call(norm, x) for x, norm in parts]
-            joint.append(
-                qk_norm_rope.reference.rope(torch.cat(normed, dim=1) if len(normed) > 1 else normed[0], *rope)
-            )
+        # The norms as module calls, in diffusers' order: the last (image) part's q and k first.
+        normed_q, normed_k = [None] * len(q), [None] * len(k)
+        for i in reversed(range(len(q))):
+            normed_q[i] = host.call(q[i][1], q[i][0])
+            normed_k[i] = host.call(k[i][1], k[i][0])
+        joint = [
+            qk_norm_rope.reference.rope(torch.cat(normed, dim=1) if len(normed) > 1 else normed[0], *rope)
+            for normed in (normed_q, normed_k)
+        ]
         return joint[0], joint[1], None if v is None else torch.cat(v, dim=1)
     segments = [[qk_norm_rope.Segment(x, norm.weight) for x, norm in parts] for parts in (q, k)]
     return qk_norm_rope.apply(*segments, *rope, norms[0].eps, v, enabled=fusion.fused)
@@ -165,9 +177,8 @@ def single_attention(
 ) -> torch.Tensor:
     """A single block's attention + MLP: the block code where the host has an attention for this
     module and its SwiGLU (where it has one as a module) is plain, else the module's own call."""
-    act = getattr(attn, "mlp_act_fn", None)
     attend = host.attention(attn, options, text_tokens)
-    if attend is None or (act is not None and not host.plain(act)):
+    if attend is None or not activation_plain(host, getattr(attn, "mlp_act_fn", None)):
         return host.call(attn, hidden_states=h, image_rotary_emb=rope, **(options or {}))
     return parallel_attention(attn, host, fusion, h, rope, attend)
 
@@ -180,8 +191,7 @@ def swiglu_mlp(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> to
 def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
     """The block code's MLP where `ff` (and its activation module, where it has one) is plain, else
     the module's own call."""
-    act = getattr(ff, "act_fn", None)
-    if host.plain(ff) and (act is None or host.plain(act)):
+    if host.plain(ff) and activation_plain(host, getattr(ff, "act_fn", None)):
         return swiglu_mlp(ff, host, fusion, x)
     return host.call(ff, x)
 

@@ -42,8 +42,11 @@ class Segment:
 
     def rows(self, start: int) -> Segment:
         """The same rows restricted to tokens [start:] (views; nothing is computed)."""
-        update = None if self.update is None else self.update[:, start:]
-        return Segment(self.residual[:, start:], update, self.gate, self.deferred)
+        update = None if self.update is None else self.update[..., start:, :]
+        gate = self.gate
+        if gate is not None and gate.dim() >= 2 and gate.shape[-2] != 1:  # per-token rows
+            gate = gate[..., start:, :]
+        return Segment(self.residual[..., start:, :], update, gate, self.deferred)
 
 
 def modnorm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
