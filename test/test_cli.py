@@ -402,8 +402,8 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
             "argument --host: invalid choice: 'comfy' (choose from package, diffusers)",
         ),
         (
-            ["pipeline", "--configs", "dev"],
-            "argument --configs: invalid choice: 'dev' (choose from klein-4b, klein-9b)",
+            ["pipeline", "--configs", "klein-8b"],
+            "argument --configs: invalid choice: 'klein-8b' (choose from klein-4b, klein-9b, dev)",
         ),
         (
             ["kernel", "--op", "rmsnorm"],

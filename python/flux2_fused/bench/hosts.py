@@ -175,7 +175,8 @@ def use_fused(target: Any, fused: bool) -> None:
 
 
 def klein_pipeline(cls: type, transformer: nn.Module, seed: int = 0) -> Any:
-    """A Flux2KleinPipeline (or a pipeline class with its components, e.g. Flux2KleinInpaintPipeline)
+    """A Flux2KleinPipeline (or a pipeline class with its components, e.g. Flux2KleinInpaintPipeline,
+    Flux2Pipeline)
     around `transformer`: diffusers' AutoencoderKLFlux2 at its default config with random weights on
     the transformer's device and dtype, diffusers' default FlowMatchEulerDiscreteScheduler, and no text
     encoder, so callers pass prompt embeddings. The progress bar is off (it would interleave with the

@@ -25,7 +25,7 @@ DEFAULT_STEPS = 4
 DEFAULT_TEXT_TOKENS = 512
 # `flux2-fused step` and `pipeline`
 STEP_CONFIGS = ("dev", "klein-4b", "klein-9b")
-PIPELINE_CONFIGS = ("klein-4b", "klein-9b")  # the Klein pipeline's transformers (no guidance embedder)
+PIPELINE_CONFIGS = ("klein-4b", "klein-9b", "dev")  # Flux2KleinPipeline's transformers, then Flux2Pipeline's
 PIPELINE_CACHES = ("none", "cache-dit", "magcache")  # what `pipeline --cache` stacks on the transformer
 HOSTS = ("package", "diffusers")
 OFFLOADS = ("none", "model", "group")
@@ -148,7 +148,8 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=4.0,
         metavar="S",
-        help="CFG scale; above 1 each step runs the prompt and the negative prompt (default 4.0)",
+        help="Klein: the CFG scale, above 1 each step runs the prompt and the negative prompt; dev: the "
+        "embedded guidance (default 4.0)",
     )
     parser.add_argument(
         "--cache",

@@ -1,11 +1,12 @@
-"""Whole-pipeline benchmark: diffusers' Flux2KleinPipeline call, alone vs with `enable(pipe)`.
+"""Whole-pipeline benchmark: a diffusers FLUX.2 pipeline call, alone vs with `enable(pipe)`.
 
-    flux2-fused pipeline [--configs klein-4b] [--pairs N] [--steps N] [--height PX --width PX]
+    flux2-fused pipeline [--configs klein-4b dev] [--pairs N] [--steps N] [--height PX --width PX]
                          [--txt-tokens N] [--guidance-scale S] [--cache none cache-dit magcache]
                          [--json FILE]
 
-What a user of diffusers sees end to end: the denoise loop with classifier-free guidance (two
-transformer calls a step, prompt and negative prompt embeddings), the scheduler, the VAE decode and
+What a user of diffusers sees end to end: for the Klein models Flux2KleinPipeline's denoise loop
+with classifier-free guidance (two transformer calls a step, prompt and negative prompt embeddings),
+for dev Flux2Pipeline's (one call a step, the guidance scale embedded), the scheduler, the VAE decode and
 the image postprocessing, all of diffusers' code, with only the transformer's forward patched. Random
 weights: the package's random transformer as diffusers' Flux2Transformer2DModel (`bench.hosts`),
 diffusers' AutoencoderKLFlux2 at its default config, the default FlowMatchEulerDiscreteScheduler;
@@ -31,6 +32,7 @@ import functools
 import gc
 import importlib.metadata
 import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -44,7 +46,15 @@ from .report import PipelineResult, Timing, check_output, format_pipeline_table,
 from .step import kernel_breakdown, tensor_sha256, time_synchronized
 
 
-def klein_call(
+def pipeline_class(config: Flux2Config) -> type:
+    """The pipeline a FLUX.2 transformer runs in: Flux2Pipeline for a guidance-embedding one (dev),
+    Flux2KleinPipeline for the Klein models."""
+    import diffusers
+
+    return diffusers.Flux2Pipeline if config.guidance_embeds else diffusers.Flux2KleinPipeline
+
+
+def pipeline_call(
     pipe: object,
     config: Flux2Config,
     height: int,
@@ -53,17 +63,20 @@ def klein_call(
     guidance_scale: float,
     txt_tokens: int,
 ) -> Callable[[], torch.Tensor]:
-    """One Flux2KleinPipeline call with fixed random prompt and negative prompt embeddings and a fixed
-    seed, so every call makes the same image; returns the image tensor (output_type "pt")."""
+    """One pipeline call with fixed random prompt embeddings (and negative prompt embeddings where the
+    pipeline takes them, for Klein's classifier-free guidance) and a fixed seed, so every call makes
+    the same image; returns the image tensor (output_type "pt")."""
     weight = next(pipe.transformer.parameters())
     gen = torch.Generator().manual_seed(1)
     shape = (1, txt_tokens, config.joint_attention_dim)
     embeds, negative = (torch.randn(shape, generator=gen).to(weight.device, weight.dtype) for _ in range(2))
+    prompts = {"prompt_embeds": embeds}
+    if "negative_prompt_embeds" in inspect.signature(pipe.__call__).parameters:  # a Klein pipeline's CFG
+        prompts["negative_prompt_embeds"] = negative
 
     def call() -> torch.Tensor:
         return pipe(
-            prompt_embeds=embeds,
-            negative_prompt_embeds=negative,
+            **prompts,
             height=height,
             width=width,
             num_inference_steps=steps,
@@ -118,14 +131,12 @@ def bench_config(
     txt_tokens: int,
     cache: str = "none",
 ) -> PipelineResult:
-    from diffusers import Flux2KleinPipeline
-
     config = Flux2Config.preset(name)
     device = torch.device("cuda", torch.cuda.current_device())
     transformer = hosts.diffusers_host(config, device, torch.bfloat16)
-    pipe = hosts.klein_pipeline(Flux2KleinPipeline, transformer)
+    pipe = hosts.klein_pipeline(pipeline_class(config), transformer)
     apply_cache(pipe, cache, steps)
-    call = klein_call(pipe, config, height, width, steps, guidance_scale, txt_tokens)
+    call = pipeline_call(pipe, config, height, width, steps, guidance_scale, txt_tokens)
 
     switch = functools.partial(hosts.use_fused, pipe)
 

@@ -417,11 +417,12 @@ def format_breakdown_table(results: Sequence[StepResult]) -> str:
 class PipelineResult:
     """One config of `flux2-fused pipeline` (its JSON is a list of these); times in ms a pipeline call.
 
-    - config: transformer preset (a Klein one: the pipeline is Flux2KleinPipeline)
+    - config: transformer preset (a Klein one: the pipeline is Flux2KleinPipeline; dev: Flux2Pipeline)
     - height: image height in pixels
     - width: image width in pixels
     - steps: denoise steps a call
-    - guidance_scale: the CFG scale; above 1 each step calls the transformer twice (prompt, negative)
+    - guidance_scale: Klein: the CFG scale, above 1 each step calls the transformer twice (prompt,
+      negative); dev: the embedded guidance, one call a step
     - txt_tokens: tokens of the prompt embeddings, and of the negative ones
     - pairs: timed pairs of calls
     - cache: the cache stacked on the transformer ("none", "cache-dit": DBCache, "magcache"), with
@@ -495,7 +496,8 @@ def format_pipeline_table(results: Sequence[PipelineResult], device: str, torch_
     diffusers = results[0].diffusers if results else "?"
     title = (
         f"GPU: {device}  torch {torch_version}  diffusers {diffusers}  bf16, random weights; "
-        "Flux2KleinPipeline call: text embeddings given, denoise loop, VAE decode"
+        "a pipeline call (Flux2KleinPipeline, dev: Flux2Pipeline): text embeddings given, denoise loop, "
+        "VAE decode"
     )
     return f"{title}\n{markdown_table(headers, rows)}"
 

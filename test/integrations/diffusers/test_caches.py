@@ -51,7 +51,7 @@ def _count_class_forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _run_with(
-    setup: Setup, enable_at: str | None, monkeypatch: pytest.MonkeyPatch
+    setup: Setup, enable_at: str | None, monkeypatch: pytest.MonkeyPatch, pipeline: str = "Flux2KleinPipeline"
 ) -> tuple[torch.Tensor, int, int]:
     """(images, blocks executed, of those through the block code) for a fresh pipeline with `setup`
     and enable() "first", "last" or not at all (None)."""
@@ -59,7 +59,7 @@ def _run_with(
         diffusers_blocks = _count_class_forwards(patch)
         bodies = count_block_code(patch, "double_block_body")
         singles = count_block_code(patch, "single_block_body")
-        pipe = _pipeline(diffusers.Flux2KleinPipeline, CONFIG)
+        pipe = _pipeline(getattr(diffusers, pipeline), CONFIG)
         handle = enable(pipe) if enable_at == "first" else None
         setup(pipe)
         handle = enable(pipe) if enable_at == "last" else handle
@@ -70,12 +70,13 @@ def _run_with(
         return images, fused + len(diffusers_blocks), fused
 
 
-def _check(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> int:
-    """The tool alone vs enable() before and after it; returns the blocks executed a run."""
-    expected, executed, fused = _run_with(setup, None, monkeypatch)
+def _check(setup: Setup, monkeypatch: pytest.MonkeyPatch, pipeline: str = "Flux2KleinPipeline") -> int:
+    """The tool alone vs enable() before and after it, in `pipeline` (a diffusers class name);
+    returns the blocks executed a run."""
+    expected, executed, fused = _run_with(setup, None, monkeypatch, pipeline)
     assert fused == 0 and executed > 0
     for enable_at in ("first", "last"):
-        images, patched_executed, patched_fused = _run_with(setup, enable_at, monkeypatch)
+        images, patched_executed, patched_fused = _run_with(setup, enable_at, monkeypatch, pipeline)
         assert torch.equal(images, expected), enable_at
         assert patched_executed == executed, f"{enable_at}: other skip decisions than the tool alone"
         assert patched_fused == executed, f"{enable_at}: {executed - patched_fused} executed blocks not fused"
@@ -206,11 +207,13 @@ def test_group_offload(offload_type: str, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @pytest.mark.parametrize("cache", ["cache-dit", "magcache"])
-def test_the_pipeline_benchmarks_caches(cache: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`flux2-fused pipeline --cache`: the fixed schedules skip blocks, identically with enable()."""
+@pytest.mark.parametrize("pipeline", ["Flux2KleinPipeline", "Flux2Pipeline"])
+def test_the_pipeline_benchmarks_caches(cache: str, pipeline: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`flux2-fused pipeline --cache`: the fixed schedules skip blocks, identically with enable(), in
+    the Klein models' pipeline and in dev's (Flux2Pipeline: embedded guidance, no cache context)."""
     if cache == "cache-dit":
         pytest.importorskip("cache_dit")
-    executed = _check(lambda pipe: apply_cache(pipe, cache, STEPS), monkeypatch)
+    executed = _check(lambda pipe: apply_cache(pipe, cache, STEPS), monkeypatch, pipeline)
     assert executed < ALL_BLOCKS
     assert computed_steps(8) == [1, 1, 0, 1, 0, 1, 0, 1]
 
@@ -224,7 +227,7 @@ def test_caches_on_klein_4b_gpu(cache: str, monkeypatch: pytest.MonkeyPatch) -> 
     if cache == "cache-dit":
         pytest.importorskip("cache_dit")
     from flux2_fused.bench import hosts
-    from flux2_fused.bench.pipeline import klein_call
+    from flux2_fused.bench.pipeline import pipeline_call
     from flux2_fused.models.flux2 import Flux2Config
 
     config = Flux2Config.preset("klein-4b")
@@ -240,7 +243,7 @@ def test_caches_on_klein_4b_gpu(cache: str, monkeypatch: pytest.MonkeyPatch) -> 
             apply_cache(pipe, cache, steps)
             handle = enable(pipe) if enable_at == "last" else handle
             with torch.inference_mode():
-                images = klein_call(pipe, config, 512, 512, steps, 4.0, 64)().cpu()
+                images = pipeline_call(pipe, config, 512, 512, steps, 4.0, 64)().cpu()
             fused = sum(map(len, bodies))
             results[enable_at] = (images, len(diffusers_blocks) + fused, fused)
             del pipe, transformer, handle
