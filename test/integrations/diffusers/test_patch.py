@@ -351,6 +351,23 @@ def test_deepcopy_of_a_patched_model_computes_its_own_weights() -> None:
     assert torch.equal(patched, expected)
 
 
+def test_deepcopy_of_a_patched_model_has_its_own_handle_everywhere() -> None:
+    """The copy's blocks run their fused forward with the copy's handle (its switch), not the
+    original's, and the copy's disable() leaves the original patched."""
+    model = _model()
+    handle = enable(model)
+    clone = copy.deepcopy(model)
+    copied = clone._flux2_fused_handle
+    blocks = (*clone.transformer_blocks, *clone.single_transformer_blocks)
+    assert copied is not handle and copied.transformer is clone and len(copied.blocks) == len(blocks)
+    assert all(block._flux2_fused_handle() is copied for block in blocks)
+    assert all(block.__dict__["forward"].block is block for block in blocks)
+    copied.disable()
+    assert all("forward" not in block.__dict__ for block in blocks)
+    assert all("forward" in block.__dict__ for block in model.transformer_blocks)
+    handle.disable()
+
+
 def test_a_forward_wrapped_before_enable_is_kept_and_restored() -> None:
     """Another library's wrapper on the instance (accelerate's offload hooks set one): every call goes
     through it, and disable() puts it back."""

@@ -3,9 +3,10 @@ slots, and the handle that undoes it."""
 
 from __future__ import annotations
 
+import copy
 import types
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -38,6 +39,17 @@ class FusedHandle:
     # True while `previous_forward` runs: a call that comes back into the fused forward from inside it
     # (a wrapper that ends in an older fused forward) runs diffusers' own forward, instead of looping.
     calling_previous: bool = False
+
+    def __deepcopy__(self, memo: dict) -> FusedHandle:
+        """A copy of the patched model gets its own handle, and its blocks point to that one (a block
+        holds its handle weakly, and a weak reference is copied as it is)."""
+        copied = FusedHandle.__new__(FusedHandle)
+        memo[id(self)] = copied
+        for item in fields(self):
+            setattr(copied, item.name, copy.deepcopy(getattr(self, item.name), memo))
+        for block, _ in copied.blocks:
+            block._flux2_fused_handle = weakref.ref(copied)
+        return copied
 
     def __repr__(self) -> str:
         state = "active" if getattr(self.transformer, "_flux2_fused_handle", None) is self else "disabled"
