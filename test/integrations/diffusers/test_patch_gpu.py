@@ -234,6 +234,41 @@ def test_torchao_dynamic_quantization_stays_fully_fused(
     assert _patched_vs_diffusers(setup, inputs) == fully_fused
 
 
+@pytest.mark.parametrize("granularity", ["PerRow", "PerTensor"])
+def test_torchao_float8_under_torch_compile_traces_the_fused_sites(granularity: str, inputs: dict) -> None:
+    """torch.compile(fullgraph=True) of a patched transformer with torchao float8 linears: the graph
+    holds the quantized linears and the flux2_fused operators; run as traced (a backend that executes
+    the graph as is), the output is the quantized model's own eager output."""
+    quantization = pytest.importorskip("torchao.quantization")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 needs sm_89 or newer")
+    model = _model()
+    config = quantization.Float8DynamicActivationFloat8WeightConfig(
+        granularity=getattr(quantization, granularity)()
+    )
+    quantization.quantize_(model, config)
+    graphs = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.inference_mode():
+        expected = model(**inputs).sample
+    handle = enable(model)
+    torch.compiler.reset()
+    try:
+        with torch.inference_mode():
+            compiled = torch.compile(model, fullgraph=True, backend=recording_backend)(**inputs).sample
+    finally:
+        handle.disable()
+        torch.compiler.reset()
+    targets = {node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert torch.ops.flux2_fused.gated_resnorm.default in targets
+    assert torch.ops.flux2_fused.qk_norm_rope.default in targets
+    assert torch.equal(compiled, expected)
+
+
 def test_bitsandbytes_nf4_equals_diffusers(tmp_path, inputs: dict, fully_fused: int) -> None:
     """NF4 linears loaded through diffusers' BitsAndBytesConfig (from a saved random klein-4B)."""
     pytest.importorskip("bitsandbytes")
