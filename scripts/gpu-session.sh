@@ -6,7 +6,8 @@
 #                          [ab-step:OPTIONS]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
-# pipeline-bench: a Flux2KleinPipeline call (klein-4b, 1024 px, 8 steps, CFG, VAE decode) alone vs enable().
+# pipeline-bench: a Flux2KleinPipeline call (klein-4b, 1024 px, 8 steps, CFG, VAE decode) alone vs enable();
+# PIPELINE_BENCH_ARGS adds options, e.g. "--configs dev --steps 28 --cache none cache-dit magcache".
 # parallel-bench (2+ GPUs): `bench --parallel` for each plan in PARALLEL_PLANS (default: ulysses=2 ring=2
 # tp=2) on PARALLEL_CONFIGS (default: klein-4b dev), one JSON each, one log for all (the device
 # tool brings back at most 8 files).
