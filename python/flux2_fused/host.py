@@ -71,13 +71,15 @@ def has_hooks(module: nn.Module) -> bool:
     )
 
 
-def unwrapped(module: nn.Module) -> bool:
+def unwrapped(module: nn.Module, own: tuple[type, ...] = ()) -> bool:
     """Whether skipping `module`'s call changes nothing: no hooks, no forward replaced on the
-    instance (accelerate's offload and diffusers' cache hooks wrap `forward` that way), and not
-    compiled on its own (`module.compile()`, as diffusers' `compile_repeated_blocks` does)."""
+    instance (accelerate's offload and diffusers' cache hooks wrap `forward` that way) unless by one
+    of the host's `own` forward types, and not compiled on its own (`module.compile()`, as diffusers'
+    `compile_repeated_blocks` does)."""
+    forward = module.__dict__.get("forward")
     return (
         not has_hooks(module)
-        and "forward" not in module.__dict__
+        and (forward is None or isinstance(forward, own))
         and getattr(module, "_compiled_call_impl", None) is None
     )
 
@@ -99,11 +101,12 @@ class ModuleHost:
     nothing hooks or wraps it; modules and projections are called as modules, and attention is
     PyTorch's SDPA as diffusers' native backend runs it."""
 
-    def __init__(self, classes: frozenset[type]) -> None:
+    def __init__(self, classes: frozenset[type], own_forwards: tuple[type, ...] = ()) -> None:
         self.classes = classes
+        self.own_forwards = own_forwards  # instance forwards the host put there itself
 
     def plain(self, module: nn.Module) -> bool:
-        return type(module) in self.classes and unwrapped(module)
+        return type(module) in self.classes and unwrapped(module, self.own_forwards)
 
     def call(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return module(*args, **kwargs)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from flux2_fused.ops import DISABLE_ENV, fast_path_reason, jit, runtime
+from flux2_fused.ops import DISABLE_ENV, fast_path_reason, jit
 
 
 def _gpu(monkeypatch: pytest.MonkeyPatch, arch: str = "9.0", toolchain: str | None = None) -> None:
@@ -59,8 +59,8 @@ def test_fast_path_reason(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert fast_path_reason(device, dtype) == expected
 
 
-def test_the_runtime_names_the_same_minimum() -> None:
-    assert runtime.MIN_CAPABILITY == jit.MIN_CAPABILITY == (8, 0)
+def test_the_minimum_architecture() -> None:
+    assert jit.MIN_CAPABILITY == (8, 0)
     assert jit.arch_reason("8.0") is None and jit.arch_reason("sm_90a") is None
     assert jit.arch_reason("7.5") == "compute capability 7.5 is older than the kernels' minimum 8.0 (sm_80)"
 

@@ -24,7 +24,6 @@ from . import jit
 
 DISABLE_ENV = "FLUX2_FUSED_DISABLE"
 _TRUE_VALUES = ("1", "true", "yes", "on")
-MIN_CAPABILITY = jit.MIN_CAPABILITY
 # What every op's kernel computes in; the ops' guards take these and nothing else.
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...host import Attention, ModuleHost, has_hooks, unwrapped
+from ...host import Attention, ModuleHost, unwrapped
 
 # The attention of a processor on the block code's q, k, v, or None where its own call must run:
 # (host, processor, the call's attention options, the joint rows that are text) -> Attention | None.
@@ -69,22 +69,13 @@ class DiffusersHost(ModuleHost):
     """The diffusers host for one family's binding (see the module docstring)."""
 
     def __init__(self, binding: Binding) -> None:
-        super().__init__(TORCH_CLASSES | frozenset(_resolved(binding.classes)))
+        # A block whose only wrapper is the fused block forward `enable` put there is plain.
+        super().__init__(TORCH_CLASSES | frozenset(_resolved(binding.classes)), (FusedBlockForward,))
         self.binding = binding
         self.processors = {
             cls: binding.processors[name] for cls, name in _resolved(binding.processors).items()
         }
         self.block_forwards = {cls: binding.blocks[name] for cls, name in _resolved(binding.blocks).items()}
-
-    def plain(self, module: nn.Module) -> bool:
-        """As `ModuleHost.plain`, where a block's instance forward may also be the fused block forward
-        `enable` put there (nothing else wraps it then)."""
-        if type(module) not in self.classes:
-            return False
-        forward = module.__dict__.get("forward")
-        if forward is not None and not isinstance(forward, FusedBlockForward):
-            return False
-        return not has_hooks(module) and getattr(module, "_compiled_call_impl", None) is None
 
     def attention(
         self, attn: nn.Module, options: Mapping[str, Any] | None, text_tokens: int
