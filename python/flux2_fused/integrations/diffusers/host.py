@@ -30,7 +30,7 @@ from ...host import Attention, ModuleHost, unwrapped
 AttentionFactory = Callable[["DiffusersHost", Any, Mapping[str, Any], int], Attention | None]
 
 # PyTorch modules the families' block code computes itself where nothing wraps them.
-TORCH_CLASSES = frozenset({nn.LayerNorm, nn.RMSNorm, nn.SiLU, nn.Dropout})
+TORCH_CLASSES = frozenset({nn.LayerNorm, nn.RMSNorm, nn.SiLU, nn.GELU, nn.Dropout})
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,17 @@ class Binding:
     processors: Mapping[str, AttentionFactory]
     forward: Callable[..., Any]
     blocks: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+
+
+def call_arguments(parameters: Mapping[str, Any], args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """A diffusers forward's arguments by name with their defaults (`parameters`: its parameters in
+    order, with defaults), None where Python would reject the call (too many, unknown or repeated
+    arguments) or hidden_states, the one every forward requires, is missing."""
+    names = list(parameters)
+    if len(args) > len(names) or not set(kwargs) <= set(names[len(args) :]):
+        return None
+    settings = {**parameters, **dict(zip(names, args, strict=False)), **kwargs}
+    return settings if len(args) > 0 or "hidden_states" in kwargs else None
 
 
 def resolve(qualified: str) -> type | None:
@@ -91,7 +102,7 @@ class DiffusersHost(ModuleHost):
         (diffusers keeps one at index 1 in the double block) inactive."""
         if not self.plain(attn) or getattr(attn, "fused_projections", False):
             return False
-        out = attn.to_out
+        out = getattr(attn, "to_out", None)  # a pre-only attention (FLUX.1's single block) has none
         if isinstance(out, nn.ModuleList) and len(out) > 1:
             dropout = out[1]
             if not (

@@ -19,41 +19,26 @@ modules do).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...host import Attention, Host
-from ...ops import qk_norm_rope, swiglu
-from ..deferral import Fusion, PendingConcat, Stream, materialize, stream_dtype, stream_rows
-
-# (cos, sin) RoPE tables, [S_txt + S_img, head_dim] each, text rows first.
-Rope = tuple[torch.Tensor, torch.Tensor]
-# A block's attention arguments as the host passes them (diffusers' `joint_attention_kwargs`).
-Options = Mapping[str, Any] | None
+from ...ops import swiglu
+from ..common import (
+    Options,
+    Rope,
+    joint_attention_rows,
+    layer_norms_plain,
+    output_norm,
+    prologue,
+    split_modulation,
+)
+from ..deferral import Fusion, PendingConcat, Stream, materialize, stream_rows
 
 DOUBLE_NORMS = ("norm1", "norm1_context", "norm2", "norm2_context")
-
-
-def split_modulation(mod: torch.Tensor, sets: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Split a [B, 3*sets*D] modulation into `sets` (shift, scale, gate) triples of [B, 1, D] views, as
-    diffusers' `Flux2Modulation.split` does; a per-token [B, S, 3*sets*D] one (KV editing's blend of
-    reference and image rows) into [B, S, D] views."""
-    chunks = (mod.unsqueeze(1) if mod.ndim == 2 else mod).chunk(3 * sets, dim=-1)
-    return [(chunks[3 * i], chunks[3 * i + 1], chunks[3 * i + 2]) for i in range(sets)]
-
-
-def layer_norms_plain(host: Host, module: nn.Module, names: Iterable[str]) -> bool:
-    """The named LayerNorms are plain affine-free LayerNorms, which the fused sites replace."""
-    for name in names:
-        norm = getattr(module, name)
-        if type(norm) is not nn.LayerNorm or norm.elementwise_affine or not host.plain(norm):
-            return False
-    return True
 
 
 def activation_plain(host: Host, act: nn.Module | None) -> bool:
@@ -63,35 +48,6 @@ def activation_plain(host: Host, act: nn.Module | None) -> bool:
         return True
     children = list(act.children())
     return host.plain(act) and all(type(child) is nn.SiLU and host.plain(child) for child in children)
-
-
-def prologue(
-    host: Host,
-    fusion: Fusion,
-    q: list[tuple[torch.Tensor, nn.Module]],
-    k: list[tuple[torch.Tensor, nn.Module]],
-    rope: Rope,
-    v: list[torch.Tensor] | None = None,
-) -> qk_norm_rope.Prologue:
-    """q, k (and v) for attention: each q and k part's heads [B, S, H, hd] through its RMSNorm,
-    concatenated along tokens (text first), rotated; v's parts concatenated alike (None when not
-    given): one fused launch where the op accepts. Norms that are not plain RMSNorms of one eps (a
-    launch takes one) run as the host's module calls."""
-    norms = [norm for _, norm in (*q, *k)]
-    plain = all(type(norm) is nn.RMSNorm and host.plain(norm) for norm in norms)
-    if not plain or len({norm.eps for norm in norms}) != 1:
-        # The norms as module calls, in diffusers' order: the last (image) part's q and k first.
-        normed_q, normed_k = [None] * len(q), [None] * len(k)
-        for i in reversed(range(len(q))):
-            normed_q[i] = host.call(q[i][1], q[i][0])
-            normed_k[i] = host.call(k[i][1], k[i][0])
-        joint = [
-            qk_norm_rope.reference.rope(torch.cat(normed, dim=1) if len(normed) > 1 else normed[0], *rope)
-            for normed in (normed_q, normed_k)
-        ]
-        return joint[0], joint[1], None if v is None else torch.cat(v, dim=1)
-    segments = [[qk_norm_rope.Segment(x, norm.weight) for x, norm in parts] for parts in (q, k)]
-    return qk_norm_rope.apply(*segments, *rope, norms[0].eps, v, enabled=fusion.fused)
 
 
 def double_attention(
@@ -106,24 +62,7 @@ def double_attention(
     """Joint attention of a double block: x [B, N, D] image rows, c [B, L, D] text rows -> (image
     update, text update). Text rows come first in the joint sequence (and in the RoPE tables).
     `attend` maps the prologue's q, k, v to the attention output (the host's backend)."""
-    shape = (-1, attn.head_dim)
-    query, key, value = (
-        host.linear(proj, x).unflatten(-1, shape) for proj in (attn.to_q, attn.to_k, attn.to_v)
-    )
-    c_query, c_key, c_value = (
-        host.linear(proj, c).unflatten(-1, shape)
-        for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-    )
-    query, key, value = prologue(
-        host,
-        fusion,
-        [(c_query, attn.norm_added_q), (query, attn.norm_q)],
-        [(c_key, attn.norm_added_k), (key, attn.norm_k)],
-        rope,
-        [c_value, value],
-    )
-    out = attend(query, key, value)
-    c_out, x_out = out.split_with_sizes([c.shape[1], x.shape[1]], dim=1)
+    c_out, x_out = joint_attention_rows(attn, host, fusion, x, c, rope, attend)
     c_out = host.linear(
         attn.to_add_out, c_out
     )  # before to_out, as diffusers calls them (adapter dropout draws in order)
@@ -350,31 +289,6 @@ def single_block_call(
     )
     h = materialize(h)
     return (h[:, :text_seq_len], h[:, text_seq_len:]) if split_hidden_states else h
-
-
-def output_norm_body(
-    norm_out: nn.Module, host: Host, fusion: Fusion, x: Stream, temb: torch.Tensor
-) -> torch.Tensor:
-    """AdaLayerNormContinuous as FLUX.2 uses it: its own Linear on silu(temb), cast to the stream's
-    dtype, gives (scale, shift) - scale FIRST, unlike the blocks' (shift, scale, gate) - around an
-    affine-free LayerNorm of a stream nothing reads afterwards."""
-    scale, shift = host.linear(norm_out.linear, F.silu(temb).to(stream_dtype(x))).chunk(2, dim=1)
-    return fusion.output_norm(x, scale[:, None, :], shift[:, None, :], norm_out.norm.eps)
-
-
-def output_norm(
-    norm_out: nn.Module, host: Host, fusion: Fusion, x: Stream, temb: torch.Tensor
-) -> torch.Tensor:
-    """The output norm: its body where it, its LayerNorm and its SiLU (where it has one as a module)
-    are plain, else its own call on the stream materialized."""
-    silu = getattr(norm_out, "silu", None)
-    if (
-        host.plain(norm_out)
-        and layer_norms_plain(host, norm_out, ("norm",))
-        and (silu is None or host.plain(silu))
-    ):
-        return output_norm_body(norm_out, host, fusion, x, temb)
-    return host.call(norm_out, materialize(x), temb)
 
 
 def joint_rope(

@@ -24,16 +24,14 @@ import torch
 from torch import nn
 
 from ...host import Attention
-from ...integrations.diffusers.host import Binding, DiffusersHost
+from ...integrations.diffusers.host import Binding, DiffusersHost, call_arguments
+from ..common import Options, Rope, layer_norms_plain
 from ..deferral import Fusion
 from .blocks import (
     DOUBLE_NORMS,
     Blend,
-    Options,
-    Rope,
     conditioning,
     double_block_call,
-    layer_norms_plain,
     single_block_call,
     transformer,
 )
@@ -150,20 +148,10 @@ def _attention_options(
     return double_options, single_options
 
 
-def _arguments(args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    """diffusers' forward's arguments by name with their defaults, None where Python would reject
-    the call (too many, unknown or repeated arguments, no hidden_states)."""
-    names = list(PARAMETERS)
-    if len(args) > len(names) or not set(kwargs) <= set(names[len(args) :]):
-        return None
-    settings = {**PARAMETERS, **dict(zip(names, args, strict=False)), **kwargs}
-    return settings if len(args) > 0 or "hidden_states" in kwargs else None
-
-
 def forward(model: nn.Module, host: DiffusersHost, fusion: Fusion, args: tuple, kwargs: dict) -> Any:
     """diffusers' `Flux2Transformer2DModel.forward` on the block code; None where diffusers' own
     forward must run the call (see the module docstring)."""
-    settings = _arguments(args, kwargs)
+    settings = call_arguments(PARAMETERS, args, kwargs)
     if settings is None:
         return None
     mode, kv_cache = settings["kv_cache_mode"], settings["kv_cache"]

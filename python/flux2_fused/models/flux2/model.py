@@ -24,16 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...host import ModuleHost, sdpa
+from ..common import Options, Rope, output_norm_body
 from ..deferral import Fusion
 from ..weights import CONFIG_NAME, WeightsError, read_config, save_folder, shard_files, stream_into
 from .blocks import (
-    Options,
-    Rope,
     conditioning,
     double_attention,
     double_block_call,
     joint_rope,
-    output_norm_body,
     parallel_attention,
     single_block_call,
     swiglu_mlp,

@@ -1,0 +1,132 @@
+"""Block code every family shares: the pieces FLUX.1 and FLUX.2 compute alike.
+
+Both families modulate an affine-free LayerNorm with (shift, scale, gate) triples split from one
+projection, normalize each head of q and k with an RMSNorm and rotate them with the same fp32 RoPE
+(`apply_rotary_emb`, interleaved pairs), attend over text rows followed by image rows, and end with
+diffusers' `AdaLayerNormContinuous`. What differs (where the modulation comes from, the MLP, the
+order of the output projections) stays in each family's `blocks.py`. Like the families' block code,
+everything here reaches the framework only through `flux2_fused.host.Host`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..host import Attention, Host
+from ..ops import qk_norm_rope
+from .deferral import Fusion, Stream, materialize, stream_dtype
+
+# (cos, sin) RoPE tables, [S_txt + S_img, head_dim] each, text rows first.
+Rope = tuple[torch.Tensor, torch.Tensor]
+# A block's attention arguments as the host passes them (diffusers' `joint_attention_kwargs`).
+Options = Mapping[str, Any] | None
+
+
+def split_modulation(mod: torch.Tensor, sets: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Split a [B, 3*sets*D] modulation into `sets` (shift, scale, gate) triples of [B, 1, D] views, as
+    diffusers' `Flux2Modulation.split` and `AdaLayerNormZero(Single)`'s chunks do; a per-token
+    [B, S, 3*sets*D] one (KV editing's blend of reference and image rows) into [B, S, D] views."""
+    chunks = (mod.unsqueeze(1) if mod.ndim == 2 else mod).chunk(3 * sets, dim=-1)
+    return [(chunks[3 * i], chunks[3 * i + 1], chunks[3 * i + 2]) for i in range(sets)]
+
+
+def layer_norms_plain(host: Host, module: nn.Module, names: Iterable[str]) -> bool:
+    """The named LayerNorms are plain affine-free LayerNorms, which the fused sites replace."""
+    for name in names:
+        norm = getattr(module, name)
+        if type(norm) is not nn.LayerNorm or norm.elementwise_affine or not host.plain(norm):
+            return False
+    return True
+
+
+def prologue(
+    host: Host,
+    fusion: Fusion,
+    q: list[tuple[torch.Tensor, nn.Module]],
+    k: list[tuple[torch.Tensor, nn.Module]],
+    rope: Rope,
+    v: list[torch.Tensor] | None = None,
+) -> qk_norm_rope.Prologue:
+    """q, k (and v) for attention: each q and k part's heads [B, S, H, hd] through its RMSNorm,
+    concatenated along tokens (text first), rotated; v's parts concatenated alike (None when not
+    given): one fused launch where the op accepts. Norms that are not plain RMSNorms of one eps (a
+    launch takes one) run as the host's module calls."""
+    norms = [norm for _, norm in (*q, *k)]
+    plain = all(type(norm) is nn.RMSNorm and host.plain(norm) for norm in norms)
+    if not plain or len({norm.eps for norm in norms}) != 1:
+        # The norms as module calls, in diffusers' order: the last (image) part's q and k first.
+        normed_q, normed_k = [None] * len(q), [None] * len(k)
+        for i in reversed(range(len(q))):
+            normed_q[i] = host.call(q[i][1], q[i][0])
+            normed_k[i] = host.call(k[i][1], k[i][0])
+        joint = [
+            qk_norm_rope.reference.rope(torch.cat(normed, dim=1) if len(normed) > 1 else normed[0], *rope)
+            for normed in (normed_q, normed_k)
+        ]
+        return joint[0], joint[1], None if v is None else torch.cat(v, dim=1)
+    segments = [[qk_norm_rope.Segment(x, norm.weight) for x, norm in parts] for parts in (q, k)]
+    return qk_norm_rope.apply(*segments, *rope, norms[0].eps, v, enabled=fusion.fused)
+
+
+def joint_attention_rows(
+    attn: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    x: torch.Tensor,
+    c: torch.Tensor,
+    rope: Rope,
+    attend: Attention,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A double block's joint attention up to its output projections: x [B, N, D] image rows, c
+    [B, L, D] text rows, each through its own q, k, v projections (`to_*` and `add_*_proj`), the
+    prologue (text first, as in the RoPE tables), `attend` (the host's backend) -> the attention
+    output's (text rows, image rows). Which output projection runs first is the family's."""
+    shape = (-1, attn.head_dim)
+    query, key, value = (
+        host.linear(proj, x).unflatten(-1, shape) for proj in (attn.to_q, attn.to_k, attn.to_v)
+    )
+    c_query, c_key, c_value = (
+        host.linear(proj, c).unflatten(-1, shape)
+        for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+    )
+    query, key, value = prologue(
+        host,
+        fusion,
+        [(c_query, attn.norm_added_q), (query, attn.norm_q)],
+        [(c_key, attn.norm_added_k), (key, attn.norm_k)],
+        rope,
+        [c_value, value],
+    )
+    out = attend(query, key, value)
+    c_out, x_out = out.split_with_sizes([c.shape[1], x.shape[1]], dim=1)
+    return c_out, x_out
+
+
+def output_norm_body(
+    norm_out: nn.Module, host: Host, fusion: Fusion, x: Stream, temb: torch.Tensor
+) -> torch.Tensor:
+    """diffusers' `AdaLayerNormContinuous` as both families use it: its own Linear on silu(temb), cast
+    to the stream's dtype, gives (scale, shift) - scale FIRST, unlike the blocks' (shift, scale,
+    gate) - around an affine-free LayerNorm of a stream nothing reads afterwards."""
+    scale, shift = host.linear(norm_out.linear, F.silu(temb).to(stream_dtype(x))).chunk(2, dim=1)
+    return fusion.output_norm(x, scale[:, None, :], shift[:, None, :], norm_out.norm.eps)
+
+
+def output_norm(
+    norm_out: nn.Module, host: Host, fusion: Fusion, x: Stream, temb: torch.Tensor
+) -> torch.Tensor:
+    """The output norm: its body where it, its LayerNorm and its SiLU (where it has one as a module)
+    are plain, else its own call on the stream materialized."""
+    silu = getattr(norm_out, "silu", None)
+    if (
+        host.plain(norm_out)
+        and layer_norms_plain(host, norm_out, ("norm",))
+        and (silu is None or host.plain(silu))
+    ):
+        return output_norm_body(norm_out, host, fusion, x, temb)
+    return host.call(norm_out, materialize(x), temb)
