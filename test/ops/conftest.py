@@ -12,12 +12,15 @@ import ast
 import inspect
 import math
 import re
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
 
-from flux2_fused.ops import runtime, verdicts
+from flux2_fused.ops import bits_equal, runtime, self_check_records, verdicts
+from flux2_fused.ops.verdicts import TypeReason
 
 
 class _CudaStandIn(torch.Tensor):
@@ -101,3 +104,131 @@ def reason_templates(*modules: ModuleType) -> list[str]:
 def untested(templates: list[str], produced: list[str]) -> list[str]:
     """The templates no produced message matches."""
     return [t for t in templates if not any(re.fullmatch(t, message) for message in produced)]
+
+
+def row_cases(channels: int, width: int) -> dict[str, tuple[tuple[Any, ...], str]]:
+    """The decline cases of the checks every row-wise op shares (`ops/rowwise.py`), for x of
+    [2, 5, channels] and out of [2, 5, width] bf16 rows: name -> (arguments, message). An op adds
+    its own: the channel count's and out's shape's messages."""
+    b, s, bf16 = 2, 5, torch.bfloat16
+
+    def rows(c: int = channels, **kw: Any) -> torch.Tensor:
+        return as_cuda(torch.zeros(b, s, c, dtype=kw.get("dtype", bf16)), kw.get("index", 0))
+
+    batch_strided = torch.zeros(b * s * channels + 2, dtype=bf16).as_strided(
+        (b, s, channels), (s * channels + 2, channels, 1)
+    )
+    joint = torch.zeros(b, s, channels + width, dtype=bf16)  # x and out in one buffer
+    return {
+        "x not a tensor": ((1.0,), "x is not a tensor"),
+        "x 1-D": ((as_cuda(torch.zeros(16, dtype=bf16)),), "x must be [B, S, C] or [S, C], got (16,)"),
+        "x inner stride": ((rows(2 * channels)[..., ::2],), "x has inner stride 2 (needs 1)"),
+        "x row stride": (
+            (rows(channels + 2)[..., 2:],),
+            f"x row stride {channels + 2} is not a multiple of 4 elements",
+        ),
+        "x batch stride": (
+            (as_cuda(batch_strided),),
+            f"x batch stride {s * channels + 2} is not a multiple of 4 elements",
+        ),
+        "cpu": ((torch.zeros(b, s, channels, dtype=bf16),), "x is on cpu, the fused kernel needs CUDA"),
+        "float32": ((rows(dtype=torch.float32),), "dtype torch.float32 is not supported (bfloat16, float16)"),
+        "grad": (
+            (as_cuda(torch.zeros(b, s, channels, dtype=bf16).requires_grad_()),),
+            "x requires grad and the fused kernel has no backward",
+        ),
+        "misaligned": ((as_cuda(misaligned(b, s, channels)),), "x data pointer is not 8-byte aligned"),
+        "out not a tensor": ((rows(), 3), "out is not a tensor"),
+        "out inner stride": ((rows(), rows(2 * width)[..., ::2]), "out has inner stride 2 (needs 1)"),
+        "out dtype": (
+            (rows(), rows(width, dtype=torch.float16)),
+            "out is torch.float16 on cuda:0, x is torch.bfloat16 on cuda:0",
+        ),
+        "out device": (
+            (rows(), rows(width, index=1)),
+            "out is torch.bfloat16 on cuda:1, x is torch.bfloat16 on cuda:0",
+        ),
+        "out in x's storage": (
+            (as_cuda(joint[..., :channels]), as_cuda(joint[..., channels:])),
+            "out shares storage with x",
+        ),
+    }
+
+
+def assert_every_reason_has_a_case(produced: list[str], *modules: ModuleType) -> None:
+    """Every message the `*reason` functions of `modules` can return matches one of `produced`."""
+    templates = reason_templates(*modules)
+    assert len(templates) >= 10
+    missing = untested(templates, produced)
+    assert not missing, f"decline reasons without a test case: {missing}"
+
+
+def assert_declines(op: ModuleType, validated: Callable[..., Any], args: tuple, expected: str) -> None:
+    """`op.decline_reason(*args)` is `expected`, `op.fused` declines, and the validated op raises
+    TypeError for a TypeReason, else ValueError, with the reason as its whole message."""
+    reason = op.decline_reason(*args)
+    assert reason == expected
+    assert op.fused(*args) is None
+    error = TypeError if isinstance(reason, TypeReason) else ValueError
+    with pytest.raises(error, match=f"^{re.escape('flux2-fused: ' + reason)}$"):
+        validated(*args)
+
+
+def assert_garbage_declines(op: ModuleType, garbage: Any, x: torch.Tensor, out: torch.Tensor) -> None:
+    """`garbage` in x's place or out's: `op.fused` and `op.decline_reason` decline it with a reason,
+    never an exception."""
+    for args in ((garbage,), (x, garbage), (garbage, out)):
+        assert op.fused(*args) is None
+        assert op.decline_reason(*args) is not None
+
+
+def assert_operator_is_the_reference(
+    operator: Callable[[torch.Tensor], torch.Tensor],
+    reference: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+) -> None:
+    """torch.library.opcheck passes, and the operator returns the reference's values and, on a float32
+    leaf, its gradient."""
+    torch.library.opcheck(operator, (x,))
+    assert torch.equal(operator(x), reference(x))
+    leaf = x.float().requires_grad_()
+    operator(leaf).sum().backward()
+    twin = x.float().requires_grad_()
+    reference(twin).sum().backward()
+    assert torch.equal(leaf.grad, twin.grad)
+
+
+def assert_streams_and_graph_capture(op: Callable[[], torch.Tensor], expected: torch.Tensor) -> None:
+    """op() (a kernel launch whose configuration is self-checked already) on a side stream, and
+    captured in a CUDA graph then replayed over its zeroed output, equals `expected` bit for bit."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = op()
+    torch.cuda.current_stream().wait_stream(side)
+    assert bits_equal(out, expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = op()
+    g_out.fill_(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bits_equal(g_out, expected)
+
+
+def assert_runs_on_its_tensors_device(
+    name: str,
+    guard: Callable[[torch.Tensor], bool],
+    op: Callable[[torch.Tensor], torch.Tensor],
+    reference: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+) -> None:
+    """With cuda:0 current and x on another GPU: the guard self-checks the op (`name`) on x's device
+    and accepts, and op(x) runs there, leaving cuda:0 current, with the reference's bits."""
+    with torch.cuda.device(0):
+        assert guard(x)
+        records = {key[:3]: record for key, record in self_check_records().items()}
+        assert records[(name, str(x.device), str(x.dtype).removeprefix("torch."))].passed
+        out = op(x)
+        assert torch.cuda.current_device() == 0 and out.device == x.device
+        assert bits_equal(out, reference(x))

@@ -1,28 +1,31 @@
 """Fused CUDA ops, one package each, every one bit-exact to the eager chain it replaces.
 
-Each op package (`gated_resnorm/`, `qk_norm_rope/`, `swiglu/`) holds its eager reference (the contract),
-its guards, its launcher and kernel spec, its self-check and its torch.library operators, and exports
-one entry point that guards and launches, falling back to the reference. What every op shares lives beside
-them: `jit` (building and loading kernels), `runtime` (kill switch, self-check verdicts),
-`verdicts` (guard machinery) and `bits` (bit-level comparison). docs/architecture.md says how a
-new op plugs in.
+Each op package (`gated_resnorm/`, `gelu_tanh/`, `qk_norm_rope/`, `swiglu/`) holds its eager reference
+(the contract), its guards, its launcher and kernel spec, its self-check and its torch.library
+operators, and exports one entry point that guards and launches, falling back to the reference. What
+every op shares lives beside them: `jit` (building and loading kernels), `runtime` (kill switch,
+self-check verdicts), `verdicts` (guard machinery), `bits` (bit-level comparison) and `rowwise` (what
+the row-wise elementwise ops, `gelu_tanh` and `swiglu`, share). docs/architecture.md says how a new
+op plugs in.
 """
 
-from . import gated_resnorm, qk_norm_rope, swiglu
-from .bits import bits_equal, random_bits
+from . import gated_resnorm, gelu_tanh, qk_norm_rope, swiglu
+from .bits import bits_equal, every_bit_pattern, random_bits
 from .runtime import DISABLE_ENV, FusedOp, fast_path_reason, kill_switch, self_check_records
 
 # Every op with a kernel: `flux2-fused build` compiles their specs, `flux2-fused verify` runs their
 # self-checks.
-OPS: tuple[FusedOp, ...] = (gated_resnorm.OP, qk_norm_rope.OP, swiglu.OP)
+OPS: tuple[FusedOp, ...] = (gated_resnorm.OP, qk_norm_rope.OP, swiglu.OP, gelu_tanh.OP)
 
 __all__ = [
     "DISABLE_ENV",
     "OPS",
     "FusedOp",
     "bits_equal",
+    "every_bit_pattern",
     "fast_path_reason",
     "gated_resnorm",
+    "gelu_tanh",
     "kill_switch",
     "qk_norm_rope",
     "random_bits",

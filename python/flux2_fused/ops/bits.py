@@ -25,3 +25,10 @@ def random_bits(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator) 
     """A 16-bit float tensor with every bit pattern equally likely: subnormals, NaN and Inf included."""
     raw = torch.randint(-(2**15), 2**15, tuple(shape), generator=gen, device=gen.device, dtype=torch.int32)
     return raw.to(torch.int16).view(dtype)
+
+
+def every_bit_pattern(dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Each of the 65536 bit patterns of a 16-bit float dtype once, in int16 order: -0, the negative
+    values by growing magnitude, -Inf and negative NaNs, then the same from +0. The whole domain of a
+    unary op: equality with eager here is equality everywhere."""
+    return torch.arange(-(2**15), 2**15, device=device, dtype=torch.int32).to(torch.int16).view(dtype)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux2_fused.ops import bits_equal, random_bits, self_check_records
+from flux2_fused.ops import bits_equal, every_bit_pattern, random_bits
 from flux2_fused.ops.swiglu import decline_reason, guards, reference, swiglu
+
+from ..conftest import assert_runs_on_its_tensors_device, assert_streams_and_graph_capture
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +58,7 @@ def test_random_bit_patterns(dtype, gen):
 
 def test_every_bf16_value(gen):
     """silu(a) * b for all 65536 bf16 values of a, each against random b."""
-    a = torch.arange(-(2**15), 2**15, device="cuda", dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    a = every_bit_pattern(torch.bfloat16, "cuda")
     b = torch.randn(a.numel(), generator=gen, device="cuda").to(torch.bfloat16)
     x = torch.cat([a.view(-1, 1024), b.view(-1, 1024)], dim=-1)
     assert bits_equal(swiglu(x), reference.swiglu(x))
@@ -65,30 +67,10 @@ def test_every_bf16_value(gen):
 def test_follows_current_stream_and_graph_capture(gen):
     x = _rows(1, 300, 9216, torch.bfloat16, gen)
     assert guards.plain(x)  # the self-check runs here
-    expected = reference.swiglu(x)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        out = swiglu(x)
-    torch.cuda.current_stream().wait_stream(side)
-    assert bits_equal(out, expected)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out = swiglu(x)
-    g_out.fill_(0)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert bits_equal(g_out, expected)
+    assert_streams_and_graph_capture(lambda: swiglu(x), reference.swiglu(x))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_tensors_on_a_device_other_than_the_current_one():
-    other = torch.device("cuda", 1)
-    with torch.cuda.device(0):
-        x = torch.randn(2, 33, 2 * 1024, device=other).to(torch.bfloat16)
-        assert guards.plain(x)
-        records = {key[:3]: record for key, record in self_check_records().items()}
-        assert records[("swiglu", "cuda:1", "bfloat16")].passed
-        out = swiglu(x)
-        assert torch.cuda.current_device() == 0 and out.device == other
-        assert bits_equal(out, reference.swiglu(x))
+    x = torch.randn(2, 33, 2 * 1024, device="cuda:1").to(torch.bfloat16)
+    assert_runs_on_its_tensors_device("swiglu", guards.plain, swiglu, reference.swiglu, x)

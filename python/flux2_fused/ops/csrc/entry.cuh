@@ -1,4 +1,4 @@
-// Host-side helpers every tvm-ffi entry shares: typed data pointers and the same-device check.
+// Host-side helpers every tvm-ffi entry shares: typed data pointers, the same-device check, row strides.
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
@@ -16,6 +16,14 @@ T* data(const tvm::ffi::TensorView& t) {
 inline void check_device(const tvm::ffi::TensorView& t, DLDevice dev) {
   TVM_FFI_ICHECK(t.device().device_type == dev.device_type && t.device().device_id == dev.device_id)
       << "every tensor must be on the output's device";
+}
+
+// (batch stride, row stride) of a [B, S, C] or [S, C] view with unit inner stride.
+inline void row_layout(const tvm::ffi::TensorView& t, int64_t* batch_stride, int64_t* row_stride) {
+  TVM_FFI_ICHECK((t.ndim() == 2 || t.ndim() == 3) && t.stride(-1) == 1)
+      << "x and out must be [B, S, C] or [S, C] views with unit inner stride";
+  *row_stride = t.stride(-2);
+  *batch_stride = t.ndim() == 3 ? t.stride(0) : 0;
 }
 
 }  // namespace flux2_fused

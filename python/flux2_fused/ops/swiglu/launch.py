@@ -6,7 +6,9 @@ import torch
 
 from .. import jit
 
-SPEC = jit.KernelSpec("swiglu", sources=("swiglu.cu",), headers=("swiglu.cuh", "common.cuh", "entry.cuh"))
+SPEC = jit.KernelSpec(
+    "swiglu", sources=("swiglu.cu",), headers=("swiglu.cuh", "rowwise.cuh", "common.cuh", "entry.cuh")
+)
 
 
 def launch(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

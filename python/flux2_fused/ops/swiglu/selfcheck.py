@@ -9,24 +9,13 @@ random bit patterns.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
-from ..bits import bits_equal, random_bits
-from ..runtime import FusedOp
+from ..bits import random_bits
+from ..rowwise import Config, compare, fused_op
 from . import reference
 from .launch import SPEC, launch
-
-
-@dataclass(frozen=True)
-class Config:
-    """What one self-check verdict covers, with the device and the torch version."""
-
-    dtype: torch.dtype
-
-    def __str__(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
 
 
 def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
@@ -49,16 +38,13 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
         "strided rows into half of a wider buffer": (mlp, buffer[..., hidden:]),
         "random bit patterns": (noise, None),
     }
-    for name, (rows, out) in cases.items():
-        if not bits_equal(launch(rows, out), reference.swiglu(rows)):
-            return False, f"{name}: differs from eager"
-    torch.cuda.synchronize(device)
-    return True, f"{len(cases)} cases x [{batch}, {tokens}, 2x{hidden}] {dtype}, edge values + random bits"
+    return compare(
+        device,
+        cases,
+        launch,
+        reference.swiglu,
+        f"{len(cases)} cases x [{batch}, {tokens}, 2x{hidden}] {dtype}, edge values + random bits",
+    )
 
 
-OP = FusedOp(
-    name="swiglu",
-    spec=SPEC,
-    self_check=self_check,
-    verify_configs=(Config(torch.bfloat16), Config(torch.float16)),
-)
+OP = fused_op("swiglu", SPEC, self_check)

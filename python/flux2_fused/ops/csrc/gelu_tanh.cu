@@ -1,0 +1,21 @@
+// tvm-ffi entry point of the GELU (tanh) kernel: the row-wise launch (rowwise.cuh) of gelu_tanh.cuh's
+// kernel, x's rows holding one operand. The Python layer (flux2_fused/ops/gelu_tanh/) validates every
+// input and decides when the kernel may run.
+#include <tvm/ffi/function.h>
+
+#include "gelu_tanh.cuh"
+
+namespace flux2_fused {
+namespace gelu_tanh {
+namespace {
+
+void gelu_tanh(tvm::ffi::TensorView out, tvm::ffi::TensorView x) {
+  rowwise::dispatch(out, x, /*operands=*/1, "gelu_tanh", gelu_tanh_kernel<__nv_bfloat16>,
+                    gelu_tanh_kernel<__half>);
+}
+
+}  // namespace
+}  // namespace gelu_tanh
+}  // namespace flux2_fused
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(gelu_tanh, flux2_fused::gelu_tanh::gelu_tanh);

@@ -1,0 +1,242 @@
+"""What the row-wise elementwise ops (`swiglu`, `gelu_tanh`) share: their layout, guards, entry points
+and operator.
+
+Such an op maps each row of x to a row of out, element by element: x is [B, S, C] or [S, C] rows
+with unit inner stride (rows and batch possibly strided: a view of a wider projection), holding
+`operands` H-wide operands side by side (swiglu's a and b, gelu_tanh's one), and out is [..., H], the
+same rows (possibly half of a wider buffer, which the single block's output projection reads). The
+kernels (csrc/rowwise.cuh) move 4 elements (8 bytes) at a time, so H is a positive multiple of 4 and
+row and batch strides are multiples of 4 elements.
+
+`RowGuards` words the checks once for every such op; `RowOp` makes the decisions every such op
+makes the same way (`fused`, `apply`, `concat`, the validated call), `define_operator` its
+torch.library operator, and `Config`, `compare` and `fused_op` its self-check's verdicts. Each op's
+package names them and says in its docstrings what it computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import jit, runtime
+from .bits import bits_equal
+from .runtime import FusedOp
+from .verdicts import Guard, Reason, TypeReason, raise_for
+
+
+@dataclass(frozen=True)
+class Config:
+    """What one self-check verdict of a row-wise op covers, with the device and the torch version."""
+
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def rows_reason(name: str, t: Any) -> Reason:
+    """Why `t` is not [B, S, C] or [S, C] rows the kernels can walk (unit inner stride, row and batch
+    strides multiples of 4 elements), or None."""
+    if not isinstance(t, torch.Tensor):
+        return TypeReason(f"{name} is not a tensor")
+    if t.dim() not in (2, 3):
+        return f"{name} must be [B, S, C] or [S, C], got {tuple(t.shape)}"
+    if t.stride(-1) != 1:
+        return f"{name} has inner stride {t.stride(-1)} (needs 1)"
+    for axis, what in ((-2, "row"), (0, "batch")):
+        counts = t.dim() == 3 or axis == -2  # a 2-D view has no batch axis
+        if counts and t.shape[axis] > 1 and t.stride(axis) % 4 != 0:
+            return f"{name} {what} stride {t.stride(axis)} is not a multiple of 4 elements"
+    return None
+
+
+def overlap_reason(x: torch.Tensor, out: torch.Tensor) -> Reason:
+    """Per call (storage is not metadata): out must not share x's storage, since blocks read and
+    write rows in no fixed order."""
+    if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        return "out shares storage with x"
+    return None
+
+
+class RowGuards:
+    """One row-wise op's guards: `plain` over x alone, `into` over x and a destination out.
+
+    operands: the H-wide operands a row of x holds (out is H wide); channels: what x's channel count
+    must be, in words; out_shape: what out's shape must be, in words. The runtime part asks `op`'s
+    self-check for x's (device, dtype).
+    """
+
+    def __init__(self, op: FusedOp, operands: int, channels: str, out_shape: str) -> None:
+        self.op = op
+        self.operands = operands
+        self.channels = channels
+        self.out_shape = out_shape
+        self.plain = Guard(("x",), self._metadata_reason, self._runtime_reason)
+        self.into = Guard(("x", "out"), self._metadata_reason, self._runtime_reason)
+
+    def width(self, x: torch.Tensor) -> int:
+        """H: the width of out's rows for x."""
+        return x.shape[-1] // self.operands
+
+    def _metadata_reason(self, x: Any, out: Any = None) -> Reason:
+        """Everything the tensors' shapes, strides, dtypes and devices decide."""
+        reason = rows_reason("x", x)
+        if reason is not None:
+            return reason
+        if x.shape[-1] % (4 * self.operands) != 0 or x.shape[-1] == 0:
+            return f"x has {x.shape[-1]} channels, the kernel needs {self.channels}"
+        if x.device.type != "cuda":
+            return TypeReason(f"x is on {x.device}, the fused kernel needs CUDA")
+        if x.dtype not in runtime.SUPPORTED_DTYPES:
+            return TypeReason(f"dtype {x.dtype} is not supported (bfloat16, float16)")
+        if out is None:
+            return None
+        reason = rows_reason("out", out)
+        if reason is not None:
+            return reason
+        if out.dtype != x.dtype or out.device != x.device:
+            return TypeReason(f"out is {out.dtype} on {out.device}, x is {x.dtype} on {x.device}")
+        if out.shape != (*x.shape[:-1], self.width(x)):
+            return f"out shape {tuple(out.shape)} is not {self.out_shape}"
+        return None
+
+    def _runtime_reason(self, x: torch.Tensor, *_: Any) -> Reason:
+        """Kill switch, kernel build and the self-check for this (device, dtype)."""
+        return runtime.runtime_reason(self.op, x.device, Config(x.dtype))
+
+    def reason(self, x: Any, out: Any = None) -> Reason:
+        """Why the kernel declines x (and the destination out), or None when it accepts them."""
+        if out is None:
+            return self.plain.reason(x)
+        return self.into.reason(x, out) or overlap_reason(x, out)
+
+    def accepts(self, x: Any, out: Any = None) -> bool:
+        """`reason(x, out) is None`, with the metadata verdict remembered. Never raises."""
+        if out is None:
+            return self.plain(x)
+        try:
+            return self.into(x, out) and overlap_reason(x, out) is None
+        except Exception:  # not tensors: declined, as the guards decline garbage
+            return False
+
+    def validate(self, x: Any, out: Any = None) -> None:
+        """Raise TypeError (types, dtypes, devices) or ValueError (shapes, strides, alignment, overlap)
+        naming what the kernel cannot take (runtime state aside)."""
+        if out is None:
+            self.plain.validate(x)
+        else:
+            self.into.validate(x, out)
+            raise_for(overlap_reason(x, out))
+
+
+@dataclass(frozen=True)
+class RowOp:
+    """One row-wise op's entry points, from its guards, its launcher (`launch(x, out)`, out None for a
+    fresh tensor), its eager reference and its library operator (`operator(x)`, resolved when a
+    torch.compile trace first reaches the op)."""
+
+    guards: RowGuards
+    launch: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    reference: Callable[[torch.Tensor], torch.Tensor]
+    operator: Callable[[torch.Tensor], torch.Tensor]
+
+    def fused(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """op(x) from one kernel launch (into `out` when given), or None where the guards decline."""
+        return self.launch(x, out) if self.guards.accepts(x, out) else None
+
+    def apply(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, *, enabled: bool = True
+    ) -> torch.Tensor:
+        """The site's one decision: under a torch.compile trace the library operator, else `fused`
+        where it accepts, else the eager reference; into `out` when given. The same bits every way.
+        `enabled=False` (a model's switch) always runs the eager reference."""
+        if enabled and torch.compiler.is_compiling():
+            result = self.operator(x)
+            return result if out is None else out.copy_(result)
+        result = self.fused(x, out) if enabled else None
+        if result is not None:
+            return result
+        eager = self.reference(x)
+        return eager if out is None else out.copy_(eager)
+
+    def concat(self, prefix: torch.Tensor, x: torch.Tensor, *, enabled: bool = True) -> torch.Tensor:
+        """`cat([prefix, op(x)], dim=-1)`, as a single block feeds its output projection: in eager
+        mode op(x) is written straight into its half of the joint buffer, so nothing is concatenated
+        afterwards; under a trace or switched off, the eager `cat` (the compiled graph keeps it: the
+        operator returns a fresh tensor)."""
+        if not enabled or torch.compiler.is_compiling():
+            return torch.cat([prefix, self.apply(x, enabled=enabled)], dim=-1)
+        width = prefix.shape[-1]
+        joint = prefix.new_empty((*prefix.shape[:-1], width + self.guards.width(x)))
+        joint[..., :width].copy_(prefix)
+        self.apply(x, out=joint[..., width:])
+        return joint
+
+    def validated(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernel, without the self-check. Unsupported inputs raise TypeError (types, dtypes,
+        devices) or ValueError (shapes, strides, alignment, overlap) naming the problem."""
+        self.guards.validate(x, out)
+        return self.launch(x, out)
+
+
+def compare(
+    device: torch.device,
+    cases: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
+    launch: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+    reference: Callable[[torch.Tensor], torch.Tensor],
+    detail: str,
+) -> tuple[bool, str]:
+    """A self-check's verdict over its cases (name -> (x, out or None)): (False, the first case whose
+    kernel output is not eager's bit for bit, `bits_equal`), else (True, `detail`)."""
+    for name, (x, out) in cases.items():
+        if not bits_equal(launch(x, out), reference(x)):
+            return False, f"{name}: differs from eager"
+    torch.cuda.synchronize(device)
+    return True, detail
+
+
+def fused_op(
+    name: str, spec: jit.KernelSpec, self_check: Callable[[torch.device, Config], tuple[bool, str]]
+) -> FusedOp:
+    """A row-wise op's `FusedOp`: one self-check verdict per (device, dtype); `flux2-fused verify` checks
+    bf16 and fp16."""
+    configs = tuple(Config(dtype) for dtype in runtime.SUPPORTED_DTYPES)
+    return FusedOp(name=name, spec=spec, self_check=self_check, verify_configs=configs)
+
+
+def define_operator(
+    name: str,
+    apply: Callable[[torch.Tensor], torch.Tensor],
+    reference: Callable[[torch.Tensor], torch.Tensor],
+    operands: int,
+) -> tuple[torch.library.Library, Any]:
+    """`torch.ops.flux2_fused.<name>(Tensor x) -> Tensor`: `apply(x)` below autograd (the kernel where
+    the guards accept, decided when the op runs, the eager reference elsewhere), the differentiable
+    `reference` where a gradient is needed, and a fake of x's rows at 1/`operands` of its width.
+    Returns the library fragment (keep it alive) and the operator's default overload."""
+    lib = torch.library.Library("flux2_fused", "FRAGMENT")
+    lib.define(f"{name}(Tensor x) -> Tensor")
+    operator = getattr(torch.ops.flux2_fused, name).default
+
+    def implementation(x: torch.Tensor) -> torch.Tensor:
+        return apply(x)
+
+    def autograd(x: torch.Tensor) -> torch.Tensor:
+        """The eager reference (differentiable) when a gradient is needed, else the implementation
+        below autograd. Inference mode never reaches it."""
+        if torch.is_grad_enabled() and x.requires_grad:
+            return reference(x)
+        with torch._C._AutoDispatchBelowAutograd():
+            return operator(x)
+
+    def fake(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], x.shape[-1] // operands))
+
+    lib.impl(name, implementation, "CompositeExplicitAutograd")
+    lib.impl(name, autograd, "Autograd")
+    torch.library.register_fake(f"flux2_fused::{name}", fake, lib=lib)
+    return lib, operator
