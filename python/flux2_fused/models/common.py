@@ -10,7 +10,7 @@ everything here reaches the framework only through `flux2_fused.host.Host`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -105,6 +105,52 @@ def joint_attention_rows(
     out = attend(query, key, value)
     c_out, x_out = out.split_with_sizes([c.shape[1], x.shape[1]], dim=1)
     return c_out, x_out
+
+
+# One stream's part of a double block after its attention: (the stream, the attention output, the
+# attention's gate, the MLP's (shift, scale, gate) modulation).
+StreamUpdate = tuple[Stream, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# A family's feed-forward dispatcher: (ff module, host, fusion, normed rows) -> the MLP's output.
+FeedForward = Callable[[nn.Module, Host, Fusion, torch.Tensor], torch.Tensor]
+
+
+def double_block_mlps(
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    image: StreamUpdate,
+    text: StreamUpdate,
+    feed_forward: FeedForward,
+) -> tuple[Stream, Stream]:
+    """The rest of a double block, as both families write it, for the image stream then the text
+    stream (diffusers' order): the gated attention residual, the modulated `norm2`, the feed-forward
+    (`ff`, `ff_context`) and its gated residual, left pending; the text stream clipped in fp16 (so
+    materialized there)."""
+    streams = []
+    for (stream, attn_out, gate_msa, (shift, scale, gate)), norm, ff, clip_fp16 in (
+        (image, block.norm2, block.ff, False),
+        (text, block.norm2_context, block.ff_context, True),
+    ):
+        normed, stream = fusion.norm(fusion.add(stream, attn_out, gate_msa), scale, shift, norm.eps)
+        mlp = feed_forward(ff, host, fusion, normed)
+        streams.append(fusion.add(stream, mlp, gate, clip_fp16=clip_fp16))
+    return streams[0], streams[1]
+
+
+def call_double_block(
+    host: Host, block: nn.Module, x: Stream, c: Stream, rope: Rope, options: Options, **conditioning: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A double block as the host calls it, on the streams materialized (hooks see real tensors),
+    `conditioning` the family's keyword arguments for it; (image, text) back."""
+    c_out, x_out = host.call(
+        block,
+        hidden_states=materialize(x),
+        encoder_hidden_states=materialize(c),
+        image_rotary_emb=rope,
+        joint_attention_kwargs=options,
+        **conditioning,
+    )
+    return x_out, c_out
 
 
 def output_norm_body(

@@ -18,10 +18,29 @@ diffusers_flux2 = pytest.importorskip("diffusers.models.transformers.transformer
 
 
 def test_every_registered_class_and_binding_resolves() -> None:
+    from flux2_fused.integrations.diffusers.host import Binding, resolve
+
     for qualified, module in FAMILIES.items():
-        cls = __import__(qualified.rpartition(".")[0], fromlist=["_"])
-        assert getattr(cls, qualified.rpartition(".")[2]) is not None
-        assert __import__(module, fromlist=["BINDING"]).BINDING is BINDING
+        cls = resolve(qualified)
+        binding = __import__(module, fromlist=["BINDING"]).BINDING
+        assert cls is not None and isinstance(binding, Binding)
+        assert all(
+            resolve(name) is not None for name in (*binding.classes, *binding.processors, *binding.blocks)
+        )
+    assert set(FAMILIES.values()) == {
+        "flux2_fused.models.flux2.diffusers",
+        "flux2_fused.models.flux1.diffusers",
+    }
+
+
+def test_diffusers_flux1_is_flux1_and_chroma_is_no_family() -> None:
+    from flux2_fused.models.flux1.diffusers import BINDING as FLUX1
+
+    from ...models.flux1 import support
+
+    transformer_chroma = pytest.importorskip("diffusers.models.transformers.transformer_chroma")
+    assert binding_for(support.transformer()) is FLUX1
+    assert binding_for(torch.nn.Module.__new__(transformer_chroma.ChromaTransformer2DModel)) is None
 
 
 def test_diffusers_flux2_and_its_subclasses_are_flux2() -> None:

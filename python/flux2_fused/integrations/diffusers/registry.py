@@ -20,6 +20,9 @@ FAMILIES = {
     "diffusers.models.transformers.transformer_flux2.Flux2Transformer2DModel": (
         "flux2_fused.models.flux2.diffusers"
     ),
+    "diffusers.models.transformers.transformer_flux.FluxTransformer2DModel": (
+        "flux2_fused.models.flux1.diffusers"
+    ),
 }
 
 

@@ -30,6 +30,8 @@ from ...ops import swiglu
 from ..common import (
     Options,
     Rope,
+    call_double_block,
+    double_block_mlps,
     joint_attention_rows,
     layer_norms_plain,
     output_norm,
@@ -150,20 +152,14 @@ def double_block_body(
 
     Stream by stream in diffusers' order: image attention residual, norm2, FFN residual; then the
     same for text, whose result is clipped in fp16."""
-    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split_modulation(mod_img, 2)
-    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split_modulation(
-        mod_txt, 2
-    )
+    (shift_msa, scale_msa, gate_msa), mlp_img = split_modulation(mod_img, 2)
+    (c_shift_msa, c_scale_msa, c_gate_msa), mlp_txt = split_modulation(mod_txt, 2)
     x_norm, x = fusion.norm(x, scale_msa, shift_msa, block.norm1.eps)
     c_norm, c = fusion.norm(c, c_scale_msa, c_shift_msa, block.norm1_context.eps)
     x_attn, c_attn = joint_attention(block.attn, host, fusion, x_norm, c_norm, rope, options)
-    x_norm, x = fusion.norm(fusion.add(x, x_attn, gate_msa), scale_mlp, shift_mlp, block.norm2.eps)
-    x_next = fusion.add(x, feed_forward(block.ff, host, fusion, x_norm), gate_mlp)
-    c_norm, c = fusion.norm(
-        fusion.add(c, c_attn, c_gate_msa), c_scale_mlp, c_shift_mlp, block.norm2_context.eps
+    return double_block_mlps(
+        block, host, fusion, (x, x_attn, gate_msa, mlp_img), (c, c_attn, c_gate_msa, mlp_txt), feed_forward
     )
-    c_next = fusion.add(c, feed_forward(block.ff_context, host, fusion, c_norm), c_gate_mlp, clip_fp16=True)
-    return x_next, c_next
 
 
 def double_block(
@@ -181,16 +177,7 @@ def double_block(
     else the host's call of the block on the streams materialized (hooks see real tensors)."""
     if host.plain(block) and layer_norms_plain(host, block, DOUBLE_NORMS):
         return double_block_body(block, host, fusion, x, c, mod_img, mod_txt, rope, options)
-    c_out, x_out = host.call(
-        block,
-        hidden_states=materialize(x),
-        encoder_hidden_states=materialize(c),
-        temb_mod_img=mod_img,
-        temb_mod_txt=mod_txt,
-        image_rotary_emb=rope,
-        joint_attention_kwargs=options,
-    )
-    return x_out, c_out
+    return call_double_block(host, block, x, c, rope, options, temb_mod_img=mod_img, temb_mod_txt=mod_txt)
 
 
 def double_block_call(
