@@ -394,7 +394,8 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
         ),
         (
             ["step", "--configs", "tiny"],
-            "argument --configs: invalid choice: 'tiny' (choose from dev, klein-4b, klein-9b)",
+            "argument --configs: invalid choice: 'tiny' "
+            "(choose from dev, klein-4b, klein-9b, flux1-dev, flux1-schnell)",
         ),
         (["step", "--configs"], "argument --configs: expected at least one argument"),
         (
@@ -403,11 +404,13 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
         ),
         (
             ["pipeline", "--configs", "klein-8b"],
-            "argument --configs: invalid choice: 'klein-8b' (choose from klein-4b, klein-9b, dev)",
+            "argument --configs: invalid choice: 'klein-8b' "
+            "(choose from klein-4b, klein-9b, dev, flux1-dev, flux1-schnell)",
         ),
         (
             ["kernel", "--op", "rmsnorm"],
-            "argument --op: invalid choice: 'rmsnorm' (choose from gated_resnorm, qk_norm_rope, swiglu)",
+            "argument --op: invalid choice: 'rmsnorm' "
+            "(choose from gated_resnorm, qk_norm_rope, swiglu, gelu_tanh)",
         ),
         (["kernel", "--shapes"], "argument --shapes: expected at least one argument"),
         (["verify", "--all"], "unrecognized arguments: --all"),
@@ -679,6 +682,11 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     ("args", "environment", "message"),
     [
         (["step", "--lora", "4"], None, "--lora, --offload and --quantize apply to --host diffusers"),
+        (
+            ["step", "--configs", "klein-4b", "flux1-dev"],
+            None,
+            "flux1-dev: FLUX.1 runs on --host diffusers (it has no package model)",
+        ),
         (["step", "--offload", "model"], None, "--lora, --offload and --quantize apply to --host diffusers"),
         (["step", "--quantize", "int8"], None, "--lora, --offload and --quantize apply to --host diffusers"),
         (["step", "--host", "diffusers", "--lora", "0"], None, "--lora must be at least 1, got 0"),
@@ -735,6 +743,7 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     ],
     ids=[
         "lora-without-diffusers-host",
+        "flux1-on-the-package-host",
         "offload-without-diffusers-host",
         "quantize-without-diffusers-host",
         "lora-rank",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flux2_fused.bench import hosts
-from flux2_fused.bench.pipeline import pipeline_call
+from flux2_fused.bench.pipeline import pipeline_call, prompt_embeddings
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 
 from ..models.flux2.test_model import make_inputs
@@ -71,7 +71,7 @@ def test_the_pipeline_benchmarks_call_makes_the_same_image_with_enable(double_bl
     config = dataclasses.replace(TINY, in_channels=128, out_channels=128)
     transformer = hosts.diffusers_host(config, CPU, torch.float32)
     pipe = hosts.klein_pipeline(diffusers.Flux2KleinPipeline, transformer)
-    call = pipeline_call(pipe, config, 64, 64, steps=2, guidance_scale=4.0, txt_tokens=8)
+    call = pipeline_call(pipe, prompt_embeddings(pipe, config, 8), 64, 64, steps=2, guidance_scale=4.0)
     with torch.inference_mode():
         images = {}
         for fused in (False, True):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from flux2_fused.bench import denoise, kernel, options
+from flux2_fused.models.flux1 import FLUX1_PRESETS
 from flux2_fused.models.flux2 import Flux2Config
 
 BENCH_DIR = Path(options.__file__).resolve().parent
@@ -22,8 +23,10 @@ def test_the_option_lists_match_the_tables_they_mirror() -> None:
     assert tuple(denoise.DTYPES) == options.DTYPES
     assert options.KERNEL_OPS == tuple(kernel.CASES) == tuple(kernel.SHAPE_FORMS) == tuple(kernel.LAYOUTS)
     assert tuple(kernel.DTYPES) == options.KERNEL_DTYPES
-    assert set(options.STEP_CONFIGS) <= set(options.CONFIGS)
+    flux1_sizes = {name for name in FLUX1_PRESETS if name != "flux1-tiny"}
+    assert set(options.STEP_CONFIGS) <= set(options.CONFIGS) | flux1_sizes
     assert set(options.PIPELINE_CONFIGS) <= set(options.STEP_CONFIGS)
+    assert flux1_sizes <= set(options.STEP_CONFIGS)
 
 
 @pytest.mark.parametrize("op", options.KERNEL_OPS)

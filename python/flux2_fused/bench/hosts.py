@@ -19,11 +19,11 @@ from ..errors import BadValue
 from ..models.flux2 import Flux2Config, Flux2Transformer
 from .options import OFFLOADS
 
-# The Linears a FLUX.2 LoRA adapts, by the ends of their names: both blocks' attention projections (the
-# double block's `to_out.0`, the single block's `to_out`), the single block's fused QKV + MLP input,
-# the feed-forwards. Matched against Linears only: in the double block `to_out` is a ModuleList, which
-# peft refuses to adapt.
-LORA_TARGETS = (
+# The Linears a LoRA adapts, by the ends of their names inside the blocks: both families' double-block
+# attention projections (`to_out.0`: in the double block `to_out` is a ModuleList, which peft refuses
+# to adapt), then FLUX.2's single block's fused QKV + MLP input and output projection and its
+# feed-forwards (FLUX.1's are in `bench.flux1`).
+ATTENTION_TARGETS = (
     "to_q",
     "to_k",
     "to_v",
@@ -32,11 +32,8 @@ LORA_TARGETS = (
     "add_k_proj",
     "add_v_proj",
     "to_add_out",
-    "to_qkv_mlp_proj",
-    "to_out",
-    "linear_in",
-    "linear_out",
 )
+LORA_TARGETS = (*ATTENTION_TARGETS, "to_qkv_mlp_proj", "to_out", "linear_in", "linear_out")
 
 
 def check_diffusers_host(
@@ -72,8 +69,11 @@ def diffusers_model(ours: Flux2Transformer) -> nn.Module:
     return model
 
 
-def add_lora(model: nn.Module, rank: int, name: str = "default", seed: int = 0) -> None:
-    """A peft LoRA adapter of rank `rank` (alpha = rank) on every Linear LORA_TARGETS names, A and B
+def add_lora(
+    model: nn.Module, rank: int, name: str = "default", seed: int = 0, targets: tuple[str, ...] = LORA_TARGETS
+) -> None:
+    """A peft LoRA adapter of rank `rank` (alpha = rank) on every Linear of the blocks `targets` names
+    (default: FLUX.2's LORA_TARGETS), A and B
     both random (peft's default init leaves B zero: an adapter that changes nothing), reproducible
     from `seed` without touching the caller's random state."""
     import peft
@@ -82,8 +82,9 @@ def add_lora(model: nn.Module, rank: int, name: str = "default", seed: int = 0) 
     names = (
         path.removesuffix(".base_layer") for path, m in model.named_modules() if isinstance(m, nn.Linear)
     )
-    targets = sorted({p for p in names if any(p == t or p.endswith(f".{t}") for t in LORA_TARGETS)})
-    config = peft.LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=targets)
+    in_blocks = (p for p in names if p.startswith(("transformer_blocks.", "single_transformer_blocks.")))
+    paths = sorted({p for p in in_blocks if any(p.endswith(f".{t}") for t in targets)})
+    config = peft.LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=paths)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.add_adapter(config, adapter_name=name)
@@ -154,9 +155,22 @@ def diffusers_host(
     with a LoRA of `lora_rank` and then the offload, the order of a user who loads a pipeline and its
     adapter, then turns offloading on (and then `enable()`)."""
     model = diffusers_model(Flux2Transformer.random(config, seed=seed, device=device, dtype=dtype)).eval()
+    return set_up(model, device, lora_rank, offload_kind, quantization)
+
+
+def set_up(
+    model: nn.Module,
+    device: torch.device,
+    lora_rank: int | None = None,
+    offload_kind: str = "none",
+    quantization: str = "none",
+    lora_targets: tuple[str, ...] = LORA_TARGETS,
+) -> nn.Module:
+    """A diffusers transformer quantized, with a LoRA of `lora_rank` on `lora_targets`, then offloaded:
+    the order of a user who loads a pipeline and its adapter, then turns offloading on."""
     quantize(model, quantization)
     if lora_rank is not None:
-        add_lora(model, lora_rank)
+        add_lora(model, lora_rank, targets=lora_targets)
     offload(model, offload_kind, device)
     return model
 

@@ -14,6 +14,8 @@ Sites (`--op`):
   attention in place); the floor moves 8 bytes an element of q.
 - swiglu, shapes HxT: one feed-forward activation, the [B, T, 2H] projection in, [B, T, H] out; the
   floor moves 6 bytes an output element.
+- gelu_tanh, shapes HxT: one FLUX.1 MLP activation (`gelu(approximate="tanh")`), [B, T, H] in and
+  out; the floor moves 4 bytes an element.
 
 For each shape: the eager chain, the eager chain replayed from a CUDA graph, torch.compile of the
 chain (not bit-exact; for reference), and the fused version, plain and in a CUDA graph. Medians in
@@ -35,7 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import BadValue
-from ..ops import bits_equal, qk_norm_rope, swiglu
+from ..ops import bits_equal, gelu_tanh, qk_norm_rope, swiglu
 from ..ops.gated_resnorm import gated_resnorm, gated_resnorm_decline_reason, gated_resnorm_reference
 from ..ops.qk_norm_rope.selfcheck import HEAD_DIM, rope_tables
 from .options import require_at_least_one
@@ -55,14 +57,17 @@ DEFAULT_SHAPES = {
     ],
     "qk_norm_rope": ["24x4608", "48x4608", "24x4608:single", "48x4608:single", "24x1536", "48x16896"],
     "swiglu": ["9216x4608", "18432x4608", "9216x512", "18432x4096"],
+    # FLUX.1-dev's MLP (3072 x 4): the single block's joint rows, the image rows, the text rows.
+    "gelu_tanh": ["12288x4608", "12288x4096", "12288x512"],
 }
 # What a --shapes item of each op looks like, and the layouts after its colon ("" for none).
 SHAPE_FORMS = {
     "gated_resnorm": "DxT (hidden x tokens, e.g. 6144x4608)",
     "qk_norm_rope": "HxT or HxT:single (heads x joint tokens, e.g. 24x4608)",
     "swiglu": "HxT (hidden x tokens, e.g. 9216x4608)",
+    "gelu_tanh": "HxT (hidden x tokens, e.g. 12288x4608)",
 }
-LAYOUTS = {"gated_resnorm": ("",), "qk_norm_rope": ("", "single"), "swiglu": ("",)}
+LAYOUTS = {"gated_resnorm": ("",), "qk_norm_rope": ("", "single"), "swiglu": ("",), "gelu_tanh": ("",)}
 L2_FLUSH_BYTES = 256 << 20
 GRAPH_REPEATS = 20
 TEXT_TOKENS = 512
@@ -168,7 +173,27 @@ def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype) -> Cas
     return Case(sets, swiglu.reference.swiglu, swiglu.swiglu, 3 * elements * dtype.itemsize, hidden)
 
 
-CASES = {"gated_resnorm": gated_resnorm_case, "qk_norm_rope": qk_norm_rope_case, "swiglu": swiglu_case}
+def gelu_tanh_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
+    """One FLUX.1 MLP activation: the [B, T, H] projection in, [B, T, H] out."""
+
+    def make() -> tuple:
+        return (torch.randn(batch, tokens, hidden, device="cuda", dtype=dtype) * 4,)
+
+    elements = batch * tokens * hidden
+    sets = _sets(make, 2 * elements * dtype.itemsize)
+    if gelu_tanh.decline_reason(*sets[0]) is not None:
+        raise RuntimeError(f"fused path declined H={hidden} T={tokens}")
+    return Case(
+        sets, gelu_tanh.reference.gelu_tanh, gelu_tanh.gelu_tanh, 2 * elements * dtype.itemsize, hidden
+    )
+
+
+CASES = {
+    "gated_resnorm": gated_resnorm_case,
+    "qk_norm_rope": qk_norm_rope_case,
+    "swiglu": swiglu_case,
+    "gelu_tanh": gelu_tanh_case,
+}
 
 
 def _rotating(fn, sets):

@@ -24,15 +24,15 @@ GPU_SIDE, CPU_SIDE = 1024, 256  # default image side in pixels
 DEFAULT_STEPS = 4
 DEFAULT_TEXT_TOKENS = 512
 # `flux2-fused step` and `pipeline`
-STEP_CONFIGS = ("dev", "klein-4b", "klein-9b")
-PIPELINE_CONFIGS = ("klein-4b", "klein-9b", "dev")  # Flux2KleinPipeline's transformers, then Flux2Pipeline's
+STEP_CONFIGS = ("dev", "klein-4b", "klein-9b", "flux1-dev", "flux1-schnell")  # FLUX.1: --host diffusers
+PIPELINE_CONFIGS = ("klein-4b", "klein-9b", "dev", "flux1-dev", "flux1-schnell")  # Klein, Flux2, FluxPipeline
 PIPELINE_CACHES = ("none", "cache-dit", "magcache")  # what `pipeline --cache` stacks on the transformer
 HOSTS = ("package", "diffusers")
 OFFLOADS = ("none", "model", "group")
 # torchao quantizations of the diffusers host's linears (`bench.hosts.QUANTIZATIONS` builds them).
 QUANTIZATIONS = ("none", "float8-row", "float8-tensor", "int8")
 # `flux2-fused kernel`
-KERNEL_OPS = ("gated_resnorm", "qk_norm_rope", "swiglu")  # kernel.CASES' names
+KERNEL_OPS = ("gated_resnorm", "qk_norm_rope", "swiglu", "gelu_tanh")  # kernel.CASES' names
 KERNEL_DTYPES = ("bf16", "fp16")  # kernel.DTYPES' names
 
 
@@ -172,8 +172,8 @@ def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="AxT",
         help="gated_resnorm: DxT items, e.g. 6144x4608; qk_norm_rope: HxT (heads x joint tokens) for a "
-        "double block's prologue, e.g. 24x4608, HxT:single for a single block's; swiglu: HxT (hidden x "
-        "tokens) (default: the op's headline shapes)",
+        "double block's prologue, e.g. 24x4608, HxT:single for a single block's; swiglu, gelu_tanh: HxT "
+        "(hidden x tokens) (default: the op's headline shapes)",
     )
     parser.add_argument(
         "--batch", type=int, default=1, metavar="B", help="batch size B of [B, T, D] (default 1)"

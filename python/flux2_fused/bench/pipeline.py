@@ -1,15 +1,17 @@
-"""Whole-pipeline benchmark: a diffusers FLUX.2 pipeline call, alone vs with `enable(pipe)`.
+"""Whole-pipeline benchmark: a diffusers FLUX pipeline call, alone vs with `enable(pipe)`.
 
-    flux2-fused pipeline [--configs klein-4b dev] [--pairs N] [--steps N] [--height PX --width PX]
+    flux2-fused pipeline [--configs klein-4b dev flux1-dev] [--pairs N] [--steps N] [--height PX --width PX]
                          [--txt-tokens N] [--guidance-scale S] [--cache none cache-dit magcache]
                          [--json FILE]
 
 What a user of diffusers sees end to end: for the Klein models Flux2KleinPipeline's denoise loop
 with classifier-free guidance (two transformer calls a step, prompt and negative prompt embeddings),
-for dev Flux2Pipeline's (one call a step, the guidance scale embedded), the scheduler, the VAE decode and
+for dev Flux2Pipeline's (one call a step, the guidance scale embedded), for FLUX.1 FluxPipeline's (one
+call a step; dev embeds the guidance, schnell has none), the scheduler, the VAE decode and
 the image postprocessing, all of diffusers' code, with only the transformer's forward patched. Random
-weights: the package's random transformer as diffusers' Flux2Transformer2DModel (`bench.hosts`),
-diffusers' AutoencoderKLFlux2 at its default config, the default FlowMatchEulerDiscreteScheduler;
+weights: the package's random transformer as diffusers' Flux2Transformer2DModel (`bench.hosts`), or
+diffusers' FluxTransformer2DModel at its own default init (`bench.flux1`), diffusers' AutoencoderKLFlux2
+at its default config (FLUX.1: AutoencoderKL at FLUX.1's), the default FlowMatchEulerDiscreteScheduler;
 random prompt embeddings stand in for the text encoder, which is not part of the call's transformer
 work and is not built.
 
@@ -40,7 +42,7 @@ import torch
 
 from ..errors import BadValue
 from ..models.flux2 import Flux2Config
-from . import hosts
+from . import flux1, hosts
 from .options import check_side, require_at_least_one
 from .report import PipelineResult, Timing, check_output, format_pipeline_table, write_json
 from .step import kernel_breakdown, tensor_sha256, time_synchronized
@@ -54,25 +56,29 @@ def pipeline_class(config: Flux2Config) -> type:
     return diffusers.Flux2Pipeline if config.guidance_embeds else diffusers.Flux2KleinPipeline
 
 
-def pipeline_call(
-    pipe: object,
-    config: Flux2Config,
-    height: int,
-    width: int,
-    steps: int,
-    guidance_scale: float,
-    txt_tokens: int,
-) -> Callable[[], torch.Tensor]:
-    """One pipeline call with fixed random prompt embeddings (and negative prompt embeddings where the
-    pipeline takes them, for Klein's classifier-free guidance) and a fixed seed, so every call makes
-    the same image; returns the image tensor (output_type "pt")."""
+def prompt_embeddings(pipe: object, config: Flux2Config, txt_tokens: int) -> dict[str, torch.Tensor]:
+    """Fixed random prompt embeddings for a FLUX.2 pipeline call, and negative prompt embeddings where
+    the pipeline takes them (Klein's classifier-free guidance)."""
     weight = next(pipe.transformer.parameters())
     gen = torch.Generator().manual_seed(1)
     shape = (1, txt_tokens, config.joint_attention_dim)
     embeds, negative = (torch.randn(shape, generator=gen).to(weight.device, weight.dtype) for _ in range(2))
     prompts = {"prompt_embeds": embeds}
-    if "negative_prompt_embeds" in inspect.signature(pipe.__call__).parameters:  # a Klein pipeline's CFG
+    if "negative_prompt_embeds" in inspect.signature(pipe.__call__).parameters:
         prompts["negative_prompt_embeds"] = negative
+    return prompts
+
+
+def pipeline_call(
+    pipe: object,
+    prompts: dict[str, torch.Tensor],
+    height: int,
+    width: int,
+    steps: int,
+    guidance_scale: float,
+) -> Callable[[], torch.Tensor]:
+    """One pipeline call with fixed prompt embeddings and a fixed seed, so every call makes the same
+    image; returns the image tensor (output_type "pt")."""
 
     def call() -> torch.Tensor:
         return pipe(
@@ -131,12 +137,18 @@ def bench_config(
     txt_tokens: int,
     cache: str = "none",
 ) -> PipelineResult:
-    config = Flux2Config.preset(name)
     device = torch.device("cuda", torch.cuda.current_device())
-    transformer = hosts.diffusers_host(config, device, torch.bfloat16)
-    pipe = hosts.klein_pipeline(pipeline_class(config), transformer)
+    if flux1.is_flux1(name):
+        transformer = flux1.random_transformer(name, device, torch.bfloat16)
+        pipe = flux1.pipeline(transformer)
+        prompts = flux1.prompt_embeddings(transformer, txt_tokens)
+    else:
+        config = Flux2Config.preset(name)
+        transformer = hosts.diffusers_host(config, device, torch.bfloat16)
+        pipe = hosts.klein_pipeline(pipeline_class(config), transformer)
+        prompts = prompt_embeddings(pipe, config, txt_tokens)
     apply_cache(pipe, cache, steps)
-    call = pipeline_call(pipe, config, height, width, steps, guidance_scale, txt_tokens)
+    call = pipeline_call(pipe, prompts, height, width, steps, guidance_scale)
 
     switch = functools.partial(hosts.use_fused, pipe)
 

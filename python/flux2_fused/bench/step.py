@@ -49,7 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ..errors import BadValue
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
-from . import hosts
+from . import flux1, hosts
 from .options import require_at_least_one
 from .report import (
     KERNEL_CLASSES,
@@ -64,7 +64,7 @@ from .timing import event_ms
 
 # This package's CUDA kernels, by a part of their names the profiler shows; a new fused op adds its
 # kernel here, and both benchmarks (this one and bench/denoise.py) then count it as fused.
-FUSED_KERNELS = ("gated_resnorm_kernel", "qk_norm_rope_kernel", "swiglu_kernel")
+FUSED_KERNELS = ("gated_resnorm_kernel", "qk_norm_rope_kernel", "swiglu_kernel", "gelu_tanh_kernel")
 # The first pattern that matches a kernel's name gives its class, else "other". Fused comes first so
 # our kernels are never counted as anything else, and attention before gemm because the
 # memory-efficient SDPA kernels are CUTLASS kernels ("fmha_cutlassF_...").
@@ -179,7 +179,7 @@ def _package_run(config: Flux2Config, inputs: dict, compiled: bool) -> Callable[
 
 
 def _diffusers_run(
-    config: Flux2Config,
+    config: Flux2Config | str,
     inputs: dict,
     lora_rank: int | None,
     offload: str,
@@ -187,12 +187,23 @@ def _diffusers_run(
     compiled: bool = False,
 ) -> tuple[Callable[[bool], torch.Tensor], Callable[[bool], None]]:
     """One step of diffusers' model with the same random weights, its own forward or enable()'s, and
-    the switch between the two (for time_synchronized to call outside the timing). Compiled, the one
+    the switch between the two (for time_synchronized to call outside the timing); `config` a FLUX.1
+    size's name builds FLUX.1's transformer (`bench.flux1`). Compiled, the one
     `torch.compile(model)` holds a graph for each mode (the switch changes the forward it traces)."""
     device = torch.device("cuda", torch.cuda.current_device())
-    model = hosts.diffusers_host(
-        config, device, torch.bfloat16, lora_rank, offload, quantization=quantization
-    )
+    if isinstance(config, str):  # a FLUX.1 size: diffusers' own transformer with its default init
+        model = hosts.set_up(
+            flux1.random_transformer(config, device, torch.bfloat16),
+            device,
+            lora_rank,
+            offload,
+            quantization,
+            flux1.LORA_TARGETS,
+        )
+    else:
+        model = hosts.diffusers_host(
+            config, device, torch.bfloat16, lora_rank, offload, quantization=quantization
+        )
     switch = functools.partial(hosts.use_fused, model)
     forward = torch.compile(model) if compiled else model
 
@@ -215,12 +226,17 @@ def bench_config(
     offload: str = "none",
     quantization: str = "none",
 ) -> StepResult:
-    config = Flux2Config.preset(name)
-    inputs = step_inputs(config, batch, img_tokens, txt_tokens, torch.bfloat16)
     switch = None
-    if host == "diffusers":
+    if flux1.is_flux1(name):
+        inputs = flux1.step_inputs(name, batch, img_tokens, txt_tokens, torch.bfloat16)
+        run, switch = _diffusers_run(name, inputs, lora_rank, offload, quantization, compiled)
+    elif host == "diffusers":
+        config = Flux2Config.preset(name)
+        inputs = step_inputs(config, batch, img_tokens, txt_tokens, torch.bfloat16)
         run, switch = _diffusers_run(config, inputs, lora_rank, offload, quantization, compiled)
     else:
+        config = Flux2Config.preset(name)
+        inputs = step_inputs(config, batch, img_tokens, txt_tokens, torch.bfloat16)
         run = _package_run(config, inputs, compiled)
 
     with torch.inference_mode():
@@ -267,6 +283,10 @@ def check(args: argparse.Namespace) -> None:
         }
     )
     if args.host == "package":
+        flux1_configs = [name for name in args.configs if flux1.is_flux1(name)]
+        if flux1_configs:
+            names = ", ".join(flux1_configs)
+            raise BadValue(f"{names}: FLUX.1 runs on --host diffusers (it has no package model)")
         if args.lora is not None or args.offload != "none" or args.quantize != "none":
             raise BadValue("--lora, --offload and --quantize apply to --host diffusers")
         return

@@ -1,11 +1,12 @@
-"""GPU matrix of `enable()` on diffusers' klein-4B (random weights, bf16, 1024 image + 128 text tokens,
-batch 2): moves, CPU offloading, quantized linears, every attention backend this machine runs, LoRA
-adapters fused and unfused, a LoRA training step (with and without gradient checkpointing), hooks,
-torch.compile of the patched model, KV editing, and the inpainting and Flux2 (input image) pipelines.
-Each output equals diffusers' with the same setup and no patch, and our kernel launches are counted:
-where every site is expected to fuse, the count equals the plain model's
-(`test_klein_4b_fuses_on_diffusers_modules` checks that one against the sites); where hooks make some
-sites module calls, it is printed."""
+"""GPU matrix of `enable()` on both families' diffusers transformers (random weights, bf16, 1024 image +
+128 text tokens, batch 2): klein-4B for FLUX.2, and FLUX.1-dev's width (24 heads of 128) with 2 double
+and 4 single blocks for FLUX.1. Moves, CPU offloading, quantized linears, every attention backend this
+machine runs, LoRA adapters fused and unfused, a LoRA training step (with and without gradient
+checkpointing), hooks, torch.compile of the patched model; for FLUX.2 also KV editing and the
+inpainting and Flux2 (input image) pipelines. Each output equals diffusers' with the same setup and no
+patch, and our kernel launches are counted: where every site is expected to fuse, the count equals the
+plain model's (`test_klein_4b_fuses_on_diffusers_modules` and the FLUX.1 tests check that one against
+the sites); where hooks make some sites module calls, it is printed."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from flux2_fused.bench import hosts
+from flux2_fused.bench import flux1, hosts
 from flux2_fused.integrations.diffusers import enable
 from flux2_fused.models.flux2 import Flux2Config
 
@@ -32,11 +33,51 @@ dispatch = pytest.importorskip("diffusers.models.attention_dispatch")
 CONFIG = Flux2Config.preset("klein-4b")
 CUDA = torch.device("cuda")
 Setup = Callable[[nn.Module], object]
+# FLUX.1-dev's blocks at full width, fewer of them: every kernel sees dev's shapes.
+FLUX1_BLOCKS = {"num_layers": 2, "num_single_layers": 4}
 
 
-def _model() -> nn.Module:
-    """A fresh klein-4B on the GPU, the same random weights every time."""
-    return hosts.diffusers_host(CONFIG, CUDA, torch.bfloat16, seed=5)
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How the matrix builds one family's model (the same random weights every time), its inputs, a
+    pipeline holding it, and the Linears a training LoRA adapts."""
+
+    name: str
+    model: Callable[[], nn.Module]
+    inputs: Callable[[], dict]
+    pipeline: Callable[[nn.Module], object]
+    lora_targets: tuple[str, ...]
+    training_targets: tuple[str, ...]
+
+
+def _flux1_inputs() -> dict:
+    inputs = flux1.step_inputs("flux1-dev", 2, 1024, 128, torch.bfloat16, seed=11)
+    return {
+        **inputs,
+        "timestep": torch.rand(2, device="cuda", generator=torch.Generator("cuda").manual_seed(2)),
+    }
+
+
+FAMILIES = {
+    "flux2": Family(
+        "flux2",
+        lambda: hosts.diffusers_host(CONFIG, CUDA, torch.bfloat16, seed=5),
+        lambda: _inputs(CONFIG, "cuda", torch.bfloat16, img=1024, txt=128),
+        lambda model: hosts.klein_pipeline(diffusers.Flux2KleinPipeline, model),
+        hosts.LORA_TARGETS,
+        ("to_q", "linear_in"),
+    ),
+    "flux1": Family(
+        "flux1",
+        lambda: flux1.random_transformer("flux1-dev", CUDA, torch.bfloat16, seed=5, **FLUX1_BLOCKS),
+        _flux1_inputs,
+        flux1.pipeline,
+        flux1.LORA_TARGETS,
+        ("to_q", "proj_mlp"),
+    ),
+}
+# Tests of FLUX.2-only features take the FLUX.2 family alone.
+FLUX2_ONLY = pytest.mark.parametrize("family", ["flux2"], indirect=True)
 
 
 def _free() -> None:
@@ -44,15 +85,20 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-@pytest.fixture(scope="module")
-def inputs() -> dict:
-    return _inputs(CONFIG, "cuda", torch.bfloat16, img=1024, txt=128)
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest) -> Family:
+    return FAMILIES[request.param]
 
 
 @pytest.fixture(scope="module")
-def plain(inputs: dict) -> Iterator[nn.Module]:
+def inputs(family: Family) -> dict:
+    return family.inputs()
+
+
+@pytest.fixture(scope="module")
+def plain(family: Family) -> Iterator[nn.Module]:
     """The plain model (no setup), shared by the tests that change only how it is called."""
-    model = _model()
+    model = family.model()
     yield model
     del model
     _free()
@@ -70,10 +116,10 @@ def fully_fused(plain: nn.Module, inputs: dict) -> int:
     return launches
 
 
-def _outcome(setup: Setup, inputs: dict, enable_at: str | None) -> tuple[torch.Tensor, int]:
+def _outcome(family: Family, setup: Setup, inputs: dict, enable_at: str | None) -> tuple[torch.Tensor, int]:
     """A fresh model's output after `setup`, with enable() "first", "last" or not at all (None), and
     our launches in one more call."""
-    model = _model()
+    model = family.model()
     if enable_at == "first":
         enable(model)
     setup(model)
@@ -85,16 +131,20 @@ def _outcome(setup: Setup, inputs: dict, enable_at: str | None) -> tuple[torch.T
 
 
 def _patched_vs_diffusers(
-    setup: Setup, inputs: dict, patch_first: bool = False, diffusers_fails: tuple[type[Exception], ...] = ()
+    family: Family,
+    setup: Setup,
+    inputs: dict,
+    patch_first: bool = False,
+    diffusers_fails: tuple[type[Exception], ...] = (),
 ) -> int:
     """`setup` and enable() (in either order) give the output of `setup` alone; returns our launches
     in one patched call. Skips where diffusers alone raises one of `diffusers_fails` (nothing to match)."""
     try:
-        expected, unpatched = _outcome(setup, inputs, None)
+        expected, unpatched = _outcome(family, setup, inputs, None)
     except diffusers_fails as exc:
         pytest.skip(f"diffusers alone fails with this setup here: {type(exc).__name__}: {exc}")
     _free()
-    patched, launches = _outcome(setup, inputs, "first" if patch_first else "last")
+    patched, launches = _outcome(family, setup, inputs, "first" if patch_first else "last")
     _free()
     assert unpatched == 0 and torch.equal(patched, expected)
     return launches
@@ -116,57 +166,59 @@ def _alone_then_enabled(
     return expected, patched, launches
 
 
-def _klein_pipeline(model: nn.Module) -> object:
-    return hosts.klein_pipeline(diffusers.Flux2KleinPipeline, model)
-
-
 # --------------------------------------------------------------------------- moves
 
 
 @ORDERS
-def test_device_and_dtype_moves_stay_fully_fused(patch_first: bool, inputs: dict, fully_fused: int) -> None:
+def test_device_and_dtype_moves_stay_fully_fused(
+    family: Family, patch_first: bool, inputs: dict, fully_fused: int
+) -> None:
     """The transformer moved to the CPU in fp32, put in a pipeline there, the pipeline moved to the GPU
     (`pipe.to("cuda")`) and the transformer back to bf16 (`.to(dtype)`), enable() before or after the
     moves: every site fuses on the moved parameters."""
 
     def setup(model: nn.Module) -> object:
         model.to("cpu", torch.float32)
-        pipe = _klein_pipeline(model)
+        pipe = family.pipeline(model)
         pipe.to("cuda")
         model.to(torch.bfloat16)
         return pipe
 
-    assert _patched_vs_diffusers(setup, inputs, patch_first) == fully_fused
+    assert _patched_vs_diffusers(family, setup, inputs, patch_first) == fully_fused
 
 
 # --------------------------------------------------------------------------- offloading
 
 
 @ORDERS
-def test_model_cpu_offload_stays_fully_fused(patch_first: bool, inputs: dict, fully_fused: int) -> None:
+def test_model_cpu_offload_stays_fully_fused(
+    family: Family, patch_first: bool, inputs: dict, fully_fused: int
+) -> None:
     """enable_model_cpu_offload puts accelerate's hook on the transformer's forward; the fused forward
     runs inside it whichever comes first."""
 
     def setup(model: nn.Module) -> object:
-        pipe = _klein_pipeline(model)
+        pipe = family.pipeline(model)
         pipe.enable_model_cpu_offload(device="cuda")
         return pipe
 
-    assert _patched_vs_diffusers(setup, inputs, patch_first) == fully_fused
+    assert _patched_vs_diffusers(family, setup, inputs, patch_first) == fully_fused
 
 
 @ORDERS
-def test_sequential_cpu_offload_equals_diffusers(patch_first: bool, inputs: dict, fully_fused: int) -> None:
+def test_sequential_cpu_offload_equals_diffusers(
+    family: Family, patch_first: bool, inputs: dict, fully_fused: int
+) -> None:
     """Sequential offload hooks every leaf module: those sites run as module calls, the rest fuse.
     (Some accelerate and torch versions fail here without the patch, in set_module_tensor_to_device
     re-wrapping a parameter: TypeError from Tensor.new; then there is nothing to compare.)"""
 
     def setup(model: nn.Module) -> object:
-        pipe = _klein_pipeline(model)
+        pipe = family.pipeline(model)
         pipe.enable_sequential_cpu_offload(device="cuda")
         return pipe
 
-    launches = _patched_vs_diffusers(setup, inputs, patch_first, diffusers_fails=(TypeError,))
+    launches = _patched_vs_diffusers(family, setup, inputs, patch_first, diffusers_fails=(TypeError,))
     order = "enable first" if patch_first else "offload first"
     print(f"sequential offload ({order}): {launches} fused launches of {fully_fused}")
     assert 0 < launches <= fully_fused
@@ -175,7 +227,7 @@ def test_sequential_cpu_offload_equals_diffusers(patch_first: bool, inputs: dict
 @ORDERS
 @pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
 def test_group_offload_equals_diffusers(
-    offload_type: str, patch_first: bool, inputs: dict, fully_fused: int
+    family: Family, offload_type: str, patch_first: bool, inputs: dict, fully_fused: int
 ) -> None:
     def setup(model: nn.Module) -> None:
         model.to("cpu")
@@ -188,7 +240,7 @@ def test_group_offload_equals_diffusers(
             **group,
         )
 
-    launches = _patched_vs_diffusers(setup, inputs, patch_first)
+    launches = _patched_vs_diffusers(family, setup, inputs, patch_first)
     print(f"group offload {offload_type}: {launches} fused launches of {fully_fused}")
     # Block level hooks only the blocks, which run their fused forward under the hooks: every site
     # fuses. Leaf level hooks the q/k norms too, whose prologues then run as module calls.
@@ -199,7 +251,9 @@ def test_group_offload_equals_diffusers(
 
 
 @pytest.mark.parametrize("config_name", ["Int8WeightOnlyConfig", "Float8WeightOnlyConfig"])
-def test_torchao_weight_only_stays_fully_fused(config_name: str, inputs: dict, fully_fused: int) -> None:
+def test_torchao_weight_only_stays_fully_fused(
+    family: Family, config_name: str, inputs: dict, fully_fused: int
+) -> None:
     quantization = pytest.importorskip("torchao.quantization")
     if config_name.startswith("Float8") and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs sm_89 or newer")
@@ -207,7 +261,7 @@ def test_torchao_weight_only_stays_fully_fused(config_name: str, inputs: dict, f
     def setup(model: nn.Module) -> None:
         quantization.quantize_(model, getattr(quantization, config_name)())
 
-    assert _patched_vs_diffusers(setup, inputs) == fully_fused
+    assert _patched_vs_diffusers(family, setup, inputs) == fully_fused
 
 
 @pytest.mark.parametrize(
@@ -219,7 +273,7 @@ def test_torchao_weight_only_stays_fully_fused(config_name: str, inputs: dict, f
     ],
 )
 def test_torchao_dynamic_quantization_stays_fully_fused(
-    config_name: str, granularity: str | None, inputs: dict, fully_fused: int
+    family: Family, config_name: str, granularity: str | None, inputs: dict, fully_fused: int
 ) -> None:
     """Dynamically quantized activations and weights (torchao): the quantized linears run as modules,
     every elementwise site around them fuses, and the output is the quantized model's alone."""
@@ -231,18 +285,20 @@ def test_torchao_dynamic_quantization_stays_fully_fused(
     def setup(model: nn.Module) -> None:
         quantization.quantize_(model, getattr(quantization, config_name)(**kwargs))
 
-    assert _patched_vs_diffusers(setup, inputs) == fully_fused
+    assert _patched_vs_diffusers(family, setup, inputs) == fully_fused
 
 
 @pytest.mark.parametrize("granularity", ["PerRow", "PerTensor"])
-def test_torchao_float8_under_torch_compile_traces_the_fused_sites(granularity: str, inputs: dict) -> None:
+def test_torchao_float8_under_torch_compile_traces_the_fused_sites(
+    family: Family, granularity: str, inputs: dict
+) -> None:
     """torch.compile(fullgraph=True) of a patched transformer with torchao float8 linears: the graph
     holds the quantized linears and the flux2_fused operators; run as traced (a backend that executes
     the graph as is), the output is the quantized model's own eager output."""
     quantization = pytest.importorskip("torchao.quantization")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs sm_89 or newer")
-    model = _model()
+    model = family.model()
     config = quantization.Float8DynamicActivationFloat8WeightConfig(
         granularity=getattr(quantization, granularity)()
     )
@@ -269,17 +325,18 @@ def test_torchao_float8_under_torch_compile_traces_the_fused_sites(granularity: 
     assert torch.equal(compiled, expected)
 
 
-def test_bitsandbytes_nf4_equals_diffusers(tmp_path, inputs: dict, fully_fused: int) -> None:
-    """NF4 linears loaded through diffusers' BitsAndBytesConfig (from a saved random klein-4B)."""
+def test_bitsandbytes_nf4_equals_diffusers(family: Family, tmp_path, inputs: dict, fully_fused: int) -> None:
+    """NF4 linears loaded through diffusers' BitsAndBytesConfig (from a saved random model)."""
     pytest.importorskip("bitsandbytes")
-    _model().save_pretrained(tmp_path)
+    saved = family.model()
+    saved.save_pretrained(tmp_path)
+    cls = type(saved)
+    del saved
     _free()
     quantization = diffusers.BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
     )
-    model = diffusers.Flux2Transformer2DModel.from_pretrained(
-        tmp_path, quantization_config=quantization, torch_dtype=torch.bfloat16
-    )
+    model = cls.from_pretrained(tmp_path, quantization_config=quantization, torch_dtype=torch.bfloat16)
     with torch.inference_mode():
         expected = model(**inputs).sample
         handle = enable(model)
@@ -324,29 +381,30 @@ def test_every_attention_backend_stays_fully_fused(
 
 @ORDERS
 def test_two_adapters_fused_then_unfused_stay_fully_fused(
-    patch_first: bool, inputs: dict, fully_fused: int
+    family: Family, patch_first: bool, inputs: dict, fully_fused: int
 ) -> None:
     pytest.importorskip("peft")
 
     def setup(model: nn.Module) -> None:
-        hosts.add_lora(model, 16, "a", seed=1)
-        hosts.add_lora(model, 16, "b", seed=2)
+        hosts.add_lora(model, 16, "a", seed=1, targets=family.lora_targets)
+        hosts.add_lora(model, 16, "b", seed=2, targets=family.lora_targets)
         model.set_adapters(["a", "b"], [0.7, 0.4])
         model.fuse_lora()
         model.unfuse_lora()
 
-    assert _patched_vs_diffusers(setup, inputs, patch_first) == fully_fused
+    assert _patched_vs_diffusers(family, setup, inputs, patch_first) == fully_fused
 
 
 # --------------------------------------------------------------------------- inpainting
 
 
-def test_klein_inpaint_pipeline_equals_diffusers(fully_fused: int) -> None:
+@FLUX2_ONLY
+def test_klein_inpaint_pipeline_equals_diffusers(family: Family, fully_fused: int) -> None:
     """Flux2KleinInpaintPipeline at 512x512 (1024 image tokens) with CFG: the same image with and
     without enable(), every transformer call fully fused."""
     from PIL import Image
 
-    pipe = hosts.klein_pipeline(diffusers.Flux2KleinInpaintPipeline, _model())
+    pipe = hosts.klein_pipeline(diffusers.Flux2KleinInpaintPipeline, family.model())
     gen = torch.Generator().manual_seed(7)
     pixels = torch.randint(0, 256, (512, 512, 3), generator=gen, dtype=torch.uint8)
     mask = (torch.rand(512, 512, generator=gen) > 0.5).to(torch.uint8) * 255
@@ -376,6 +434,7 @@ def test_klein_inpaint_pipeline_equals_diffusers(fully_fused: int) -> None:
 # --------------------------------------------------------------------------- KV-cache editing
 
 
+@FLUX2_ONLY
 def test_kv_editing_equals_diffusers_and_the_cached_calls_fully_fuse(
     plain: nn.Module, fully_fused: int
 ) -> None:
@@ -426,16 +485,18 @@ def _deterministic() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
-def test_lora_training_step_equals_diffusers(checkpointing: bool, inputs: dict) -> None:
+def test_lora_training_step_equals_diffusers(family: Family, checkpointing: bool, inputs: dict) -> None:
     """A LoRA fine-tuning step on klein-4B: where a gradient is needed the fused sites step aside (the
     ops decline under autograd; with gradient checkpointing the call is diffusers' forward), so the
     loss and every adapter gradient equal diffusers', bit for bit. Run with deterministic backward
     kernels, checked by running diffusers twice."""
     peft = pytest.importorskip("peft")
-    model = _model()
+    model = family.model()
     with torch.random.fork_rng(devices=[CUDA]):
         torch.manual_seed(0)
-        model.add_adapter(peft.LoraConfig(r=4, init_lora_weights=False, target_modules=["to_q", "linear_in"]))
+        model.add_adapter(
+            peft.LoraConfig(r=4, init_lora_weights=False, target_modules=list(family.training_targets))
+        )
     if checkpointing:
         model.enable_gradient_checkpointing()
     model.train()
@@ -462,7 +523,9 @@ def test_lora_training_step_equals_diffusers(checkpointing: bool, inputs: dict) 
     assert not differing, f"{len(differing)} of {len(grads)} adapter gradients differ, first {differing[0]}"
 
 
-def test_hooks_on_blocks_and_submodules_equal_diffusers(inputs: dict, fully_fused: int) -> None:
+def test_hooks_on_blocks_and_submodules_equal_diffusers(
+    family: Family, inputs: dict, fully_fused: int
+) -> None:
     """A forward hook on a single block and a pre-hook on a double block's feed-forward: those run as
     diffusers' module calls (the hooks see real tensors), everything else fuses."""
     seen: list[str] = []
@@ -471,7 +534,7 @@ def test_hooks_on_blocks_and_submodules_equal_diffusers(inputs: dict, fully_fuse
         model.single_transformer_blocks[0].register_forward_hook(lambda m, a, o: seen.append("single"))
         model.transformer_blocks[0].ff.register_forward_pre_hook(lambda m, a: seen.append("ff"))
 
-    launches = _patched_vs_diffusers(setup, inputs)
+    launches = _patched_vs_diffusers(family, setup, inputs)
     print(f"hooks on a single block and a feed-forward: {launches} fused launches of {fully_fused}")
     assert "single" in seen and "ff" in seen and 0 < launches < fully_fused
 
@@ -501,6 +564,7 @@ def test_torch_compile_of_the_patched_transformer_equals_diffusers(plain: nn.Mod
     assert torch.equal(compiled, expected)
 
 
+@FLUX2_ONLY
 def test_flux2_pipeline_with_an_input_image_equals_diffusers(fully_fused: int) -> None:
     """Flux2Pipeline (guidance embedding) with an input image, whose latents join the image rows as
     reference tokens with their own ids: images equal to the pipeline alone, every call fully fused."""
@@ -527,3 +591,68 @@ def test_flux2_pipeline_with_an_input_image_equals_diffusers(fully_fused: int) -
 
     expected, patched, launches = _alone_then_enabled(pipe, call)
     assert torch.equal(patched, expected) and launches == 2 * fully_fused
+
+
+# --------------------------------------------------------------------------- FLUX.1
+
+FLUX1_ONLY = pytest.mark.parametrize("family", ["flux1"], indirect=True)
+# Our launches in a FLUX.1 call with every site fused: a double block's four modulated norms, its
+# prologue and its two feed-forwards' GELUs; a single block's norm, prologue and the GELU written into
+# its output projection's input; the output norm.
+FLUX1_SITES = 7 * FLUX1_BLOCKS["num_layers"] + 3 * FLUX1_BLOCKS["num_single_layers"] + 1
+
+
+@FLUX1_ONLY
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_flux1_fuses_every_site_bit_exactly(family: Family, dtype: torch.dtype) -> None:
+    """FLUX.1 at dev's width, bf16 and fp16 (where the text stream and the single blocks' output are
+    clipped, so those updates are materialized): diffusers' output bit for bit, every site fused."""
+    model = family.model().to(dtype)
+    inputs = {
+        k: v.to(dtype) if k.endswith("states") or k == "pooled_projections" else v
+        for k, v in family.inputs().items()
+    }
+    with torch.inference_mode():
+        expected = model(**inputs).sample
+        handle = enable(model)
+        patched = model(**inputs).sample
+        launches = _fused_launches(lambda: model(**inputs))
+        handle.disable()
+    assert torch.equal(patched, expected)
+    assert launches == FLUX1_SITES
+
+
+@FLUX1_ONLY
+@pytest.mark.parametrize("pipeline", ["FluxPipeline", "FluxKontextPipeline"])
+def test_flux1_pipelines_equal_diffusers(family: Family, pipeline: str, fully_fused: int) -> None:
+    """FluxPipeline at 512x512 (1024 image tokens), and FluxKontextPipeline with a reference image
+    (its latents join the image rows with their own ids): the same images with and without enable(),
+    every transformer call fully fused."""
+    from PIL import Image
+
+    model = family.model()
+    pipe = flux1.pipeline(model, cls=getattr(diffusers, pipeline))
+    prompts = flux1.prompt_embeddings(model, 128)
+    pixels = torch.randint(
+        0, 256, (512, 512, 3), generator=torch.Generator().manual_seed(5), dtype=torch.uint8
+    )
+    extra = {"image": Image.fromarray(pixels.numpy()), "max_area": 512 * 512} if "Kontext" in pipeline else {}
+
+    def call() -> torch.Tensor:
+        return pipe(
+            **prompts,
+            **extra,
+            height=512,
+            width=512,
+            num_inference_steps=2,
+            guidance_scale=3.5,
+            generator=torch.Generator().manual_seed(0),
+            output_type="pt",
+        ).images
+
+    expected, patched, launches = _alone_then_enabled(pipe, call)
+    assert torch.equal(patched, expected)
+    if pipeline == "FluxPipeline":
+        assert launches == 2 * fully_fused
+    else:  # longer sequences, the same sites
+        assert launches == 2 * FLUX1_SITES
