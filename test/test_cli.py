@@ -891,3 +891,17 @@ def test_bench_parallel_refuses_in_one_line_before_any_work(args: list[str], mes
     code, out, err = run_cli(["bench", *args])
     assert code == 2 and out == ""
     assert err.startswith("flux2-fused: error: ") and message in err and len(err.splitlines()) == 1
+
+
+def test_build_bundle_refuses_a_file_or_a_missing_parent_in_one_line(tmp_path: Path) -> None:
+    """`build --bundle DIR` checks its folder before compiling anything."""
+    target = tmp_path / "file"
+    target.write_text("")
+    for folder, message in (
+        (target, f"--bundle {target} is a file; give a folder"),
+        (
+            tmp_path / "no" / "such",
+            f"--bundle {tmp_path / 'no' / 'such'}: folder {tmp_path / 'no'} does not exist",
+        ),
+    ):
+        assert run_cli(["build", "--bundle", str(folder)]) == (2, "", f"flux2-fused: error: {message}\n")

@@ -1,7 +1,8 @@
-"""flux2-fused: the lossless fast path for FLUX.2 transformers.
+"""flux2-fused: the lossless fast path for FLUX transformers (FLUX.2 and FLUX.1).
 
-Each gated residual update of FLUX.2's residual streams and the LayerNorm + adaLN modulation that
-reads the stream next run as one CUDA kernel whose outputs equal PyTorch eager bit for bit.
+The eager elementwise chains of each block (a gated residual update and the LayerNorm + adaLN that
+reads the stream next, the QK RMSNorm + RoPE prologue, the MLP activation) run as CUDA kernels whose
+outputs equal PyTorch eager bit for bit.
 """
 
 __version__ = "0.1.0"

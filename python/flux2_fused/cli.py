@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from pathlib import Path
 from typing import NoReturn
 
 from .bench import options
@@ -124,11 +125,19 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
         )
     )
     add("verify", "bit-exactness self-check of the fused kernel on this GPU")
-    add("build", "compile the kernels (nvcc, no GPU needed) and print the libraries").add_argument(
+    build = add("build", "compile the kernels (nvcc, no GPU needed) and print the libraries")
+    build.add_argument(
         "--arch",
         nargs="+",
         action="extend",
         help="CUDA architectures, 8.0 or newer, e.g. --arch 9.0 10.0 (default: this GPU's, else 9.0 10.0)",
+    )
+    build.add_argument(
+        "--bundle",
+        type=Path,
+        metavar="DIR",
+        help="instead: one module per op for the wheel's architectures (8.0 8.6 8.9 9.0 10.0 12.0 and "
+        "12.0 PTX, the CUDA runtime linked statically) and their manifest, into DIR",
     )
     return parser, subparsers
 

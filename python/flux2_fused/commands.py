@@ -180,11 +180,18 @@ def gpu_benchmark_command(
 
 
 def verify_kernels() -> list[VerifyRow]:
-    """The kernels' live bit-exactness self-checks on this GPU, every op in every configuration."""
+    """The kernels' live bit-exactness self-checks on this GPU, every op in every configuration, with
+    where each op's module came from (bundled in the wheel, the cache, built now)."""
     device = require_cuda("verify")
     rows = []
+    arch = jit.device_arch(device)
     for op in OPS:
-        jit.module_for(op.spec, device)  # build once up front: a failed build is one error, not 12
+        try:  # load (or build) once up front: an unavailable module is one row, not one a config
+            jit.module_for(op.spec, device)
+        except jit.BuildError as exc:
+            rows.append(VerifyRow(op.name, "-", False, f"module unavailable: {exc}", 0.0, "unavailable"))
+            continue
+        origin = jit.module_origin(op.spec, arch) or "-"
         for config in op.verify_configs:
             start = time.perf_counter()
             try:
@@ -192,7 +199,7 @@ def verify_kernels() -> list[VerifyRow]:
                     passed, detail = op.self_check(device, config)
             except Exception as exc:  # a crash is a failed check of this row; the others still run
                 passed, detail = False, f"{type(exc).__name__}: {exc}"
-            rows.append(VerifyRow(op.name, str(config), passed, detail, time.perf_counter() - start))
+            rows.append(VerifyRow(op.name, str(config), passed, detail, time.perf_counter() - start, origin))
     return rows
 
 
@@ -248,6 +255,25 @@ def build_command(arch_texts: Sequence[str] | None = None) -> int:
     return 0
 
 
+def bundle_command(folder: Path, arch_texts: Sequence[str] | None = None) -> int:
+    """`flux2-fused build --bundle DIR`: the wheel's prebuilt modules (`ops.bundle`), every op, into
+    DIR; --arch replaces the bundle's architectures (the PTX stays that of the newest)."""
+    from .ops import bundle
+
+    archs = [parse_arch(text) for text in arch_texts] if arch_texts else list(bundle.ARCHS)
+    if folder.exists() and not folder.is_dir():
+        raise BadValue(f"--bundle {folder} is a file; give a folder")
+    if not folder.parent.is_dir():
+        raise BadValue(f"--bundle {folder}: folder {folder.parent} does not exist")
+    start = time.perf_counter()
+    manifest = bundle.build_bundle(folder, archs=archs, ptx=max(archs, key=jit.arch_tuple))
+    for name, entry in manifest["modules"].items():
+        print(f"{name}: {folder / entry['library']} (sm {' '.join(entry['archs'])}, PTX {entry['ptx']})")
+    seconds = time.perf_counter() - start
+    print(f"flux2-fused: bundled {len(manifest['modules'])} modules in {seconds:.0f} s", file=sys.stderr)
+    return 0
+
+
 # --------------------------------------------------------------------------- dispatch
 
 # What `flux2-fused NAME` runs, by NAME, given the parsed arguments.
@@ -259,5 +285,5 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     ),
     "kernel": functools.partial(gpu_benchmark_command, "the kernel benchmark", kernel.check, kernel.run),
     "verify": lambda _args: verify_command(),
-    "build": lambda args: build_command(args.arch),
+    "build": lambda args: bundle_command(args.bundle, args.arch) if args.bundle else build_command(args.arch),
 }

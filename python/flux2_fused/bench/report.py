@@ -620,6 +620,8 @@ class VerifyRow:
     - passed: the kernel's outputs equal live eager bit for bit
     - detail: what was compared, or why it failed
     - seconds: wall time of the check
+    - module: where the op's module came from: "bundled (file)" (prebuilt in the wheel), "cache",
+      "built now" (a JIT build with the local CUDA toolkit), "unavailable"
     """
 
     op: str
@@ -627,13 +629,14 @@ class VerifyRow:
     passed: bool
     detail: str
     seconds: float
+    module: str = "-"
 
 
 def format_verify(rows: Sequence[VerifyRow], device: str, torch_version: str) -> str:
     """The verify table and its verdict."""
     table = markdown_table(
-        ["op", "config", "passed", "detail", "seconds"],
-        [[r.op, r.config, _yes(r.passed), r.detail, f"{r.seconds:.3f}"] for r in rows],
+        ["op", "module", "config", "passed", "detail", "seconds"],
+        [[r.op, r.module, r.config, _yes(r.passed), r.detail, f"{r.seconds:.3f}"] for r in rows],
     )
     failed = sum(not r.passed for r in rows)
     verdict = "all bit-exact" if not failed else f"{failed} of {len(rows)} FAILED"

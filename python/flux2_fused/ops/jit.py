@@ -4,10 +4,13 @@ Each op declares its sources as a `KernelSpec` (its own package's `launch.py`), 
 `gen_*_module` functions do; this module builds and loads any spec and keeps the one cache of loaded
 modules, so no op holds kernel-loading state of its own.
 
-Why JIT: the kernels are compiled for exactly the GPU present, needs neither torch headers nor a GPU
-to build (CI compiles it on a CPU machine), and one wheel serves every architecture. The cache key
-covers everything that changes the machine code: the sources' bytes, the compiler flags, the target
-architectures and the nvcc and tvm-ffi versions.
+Where a module comes from, per op and architecture, in this order: the module bundled in a wheel
+(`prebuilt/`, made by `bundle.py` for the common architectures; used when its manifest says it was
+built from these exact sources and covers the GPU), the user's cache, a JIT build with the local
+CUDA toolkit, else BuildError (and the ops run eager with one warning). `module_origin` says which.
+JIT needs neither torch headers nor a GPU to build (CI compiles every kernel on a CPU machine). The
+cache key covers everything that changes the machine code: the sources' bytes, the compiler flags,
+the target architectures and the nvcc and tvm-ffi versions.
 
 Why so defensive: a kernel that cannot be built must cost the user one warning and eager speed,
 never a failed generation. Every failure surfaces as a BuildError naming its cause (nvcc or tvm-ffi
@@ -25,6 +28,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -45,6 +49,9 @@ CACHE_ENV = "FLUX2_FUSED_CACHE_DIR"
 DEFAULT_CUDA_HOMES = ("/usr/local/cuda",)
 # The kernels use sm_80 instructions (packed bf16 pair math): compute capability 8.0 or newer.
 MIN_CAPABILITY = (8, 0)
+# Modules bundled in a wheel: one library per op and its manifest (`bundle.py` writes both).
+BUNDLE_DIR = Path(__file__).resolve().parent / "prebuilt"
+BUNDLE_MANIFEST = "manifest.json"
 
 # Serializes builds within the process (the file lock serializes them across processes) and guards
 # the fallback folders below.
@@ -124,14 +131,67 @@ def cache_key(spec: KernelSpec, archs: Sequence[str], nvcc: str) -> str:
     """The cache folder name: the module's name and a digest of everything that changes its library."""
     import tvm_ffi
 
+    h = hashlib.sha256(source_digest(spec).encode())
+    for part in ("|", *archs, "|", _nvcc_version(nvcc), "|", tvm_ffi.__version__):
+        h.update(part.encode())
+        h.update(b"\0")
+    return f"{spec.name}-{h.hexdigest()[:24]}"
+
+
+def source_digest(spec: KernelSpec) -> str:
+    """A digest of what a module is built from that does not depend on the machine: the sources' and
+    headers' names and bytes and the compiler flags. A bundled module is used only under the same one."""
     h = hashlib.sha256()
     for name in (*spec.sources, *spec.headers):
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
-    for part in (*CUDA_FLAGS, "|", *archs, "|", _nvcc_version(nvcc), "|", tvm_ffi.__version__):
-        h.update(part.encode())
+    for flag in CUDA_FLAGS:
+        h.update(flag.encode())
         h.update(b"\0")
-    return f"{spec.name}-{h.hexdigest()[:24]}"
+    return h.hexdigest()
+
+
+def arch_tuple(arch: str) -> tuple[int, int]:
+    """(major, minor) of an architecture, for ordering them."""
+    major, minor = normalize_arch(arch).removesuffix("a").split(".")
+    return int(major), int(minor)
+
+
+def bundle_covers(archs: Sequence[str], ptx: str | None, arch: str) -> bool:
+    """Whether a module with machine code for `archs` and PTX for `ptx` runs on `arch`: machine code of
+    the same major version and no newer minor one (CUDA's binary compatibility), or PTX for an
+    architecture no newer than it (the driver compiles it)."""
+    major, minor = arch_tuple(arch)
+    if any(m == major and n <= minor for m, n in map(arch_tuple, archs)):
+        return True
+    return ptx is not None and arch_tuple(ptx) <= (major, minor)
+
+
+@functools.cache
+def _bundle_manifest(folder: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((folder / BUNDLE_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def bundled_library(spec: KernelSpec, arch: str, folder: Path | None = None) -> Path | None:
+    """The bundled library of `spec` that runs on `arch`, None where there is none: no bundle, a
+    module built from other sources (an editable install whose sources changed since), or one that
+    does not cover the architecture."""
+    folder = folder or BUNDLE_DIR
+    entry = _bundle_manifest(folder).get("modules", {}).get(spec.name)
+    if not isinstance(entry, dict):
+        return None
+    try:
+        if entry.get("sources") != source_digest(spec):
+            return None
+        lib = folder / str(entry["library"])
+        covered = bundle_covers(entry["archs"], entry.get("ptx"), arch)
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    return lib if covered and lib.is_file() else None
 
 
 def _sha256(path: Path) -> str:
@@ -362,7 +422,25 @@ def _load(lib: Path) -> Any:
     return tvm_ffi.load_module(str(lib))
 
 
-def _build_and_load(spec: KernelSpec, arch: str) -> Any:
+def _build_and_load(spec: KernelSpec, arch: str) -> tuple[Any, str]:
+    """Load one module and say where it came from: the bundled one where it covers `arch` and loads,
+    else the cached or freshly built one (see `_jit_load`)."""
+    bundled = bundled_library(spec, arch)
+    if bundled is not None:
+        try:
+            return _load(bundled), f"bundled ({bundled.name})"
+        except Exception as exc:  # e.g. a tvm-ffi whose ABI differs: the JIT build may still work
+            warnings.warn(
+                f"flux2-fused: the bundled {spec.name} module did not load ({exc}); building it instead",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    cached = is_cached(spec, [arch])
+    module = _jit_load(spec, arch)
+    return module, "cache" if cached else "built now"
+
+
+def _jit_load(spec: KernelSpec, arch: str) -> Any:
     """Build (or find in the cache) and load one module.
 
     A library whose bytes match its digest can still fail to load (say, built by a toolchain whose
@@ -383,9 +461,16 @@ def _build_and_load(spec: KernelSpec, arch: str) -> Any:
 
 
 # The one cache of loaded modules, failures included: a module that could not be built is not
-# rebuilt on every call, the same BuildError is raised again.
+# rebuilt on every call, the same BuildError is raised again. `_origins` says where each came from.
 _loaded: dict[tuple[KernelSpec, str], Any] = {}
+_origins: dict[tuple[KernelSpec, str], str] = {}
 _load_lock = threading.Lock()
+
+
+def module_origin(spec: KernelSpec, arch: str) -> str | None:
+    """Where the loaded module of `spec` for `arch` came from: "bundled (file)", "cache", "built now",
+    or "unavailable: reason"; None before the first load."""
+    return _origins.get((spec, arch))
 
 
 def load_module(spec: KernelSpec, arch: str) -> Any:
@@ -397,9 +482,10 @@ def load_module(spec: KernelSpec, arch: str) -> Any:
             entry = _loaded.get(key)
             if entry is None:
                 try:
-                    entry = _build_and_load(spec, arch)
+                    entry, _origins[key] = _build_and_load(spec, arch)
                 except Exception as exc:
                     entry = exc if isinstance(exc, BuildError) else BuildError(f"{type(exc).__name__}: {exc}")
+                    _origins[key] = f"unavailable: {entry}"
                 _loaded[key] = entry
     if isinstance(entry, BuildError):
         raise entry
