@@ -620,8 +620,9 @@ class VerifyRow:
     - passed: the kernel's outputs equal live eager bit for bit
     - detail: what was compared, or why it failed
     - seconds: wall time of the check
-    - module: where the op's module came from: "bundled (file)" (prebuilt in the wheel), "cache",
-      "built now" (a JIT build with the local CUDA toolkit), "unavailable"
+    - module: where the op's module came from, "bundled (file)" (prebuilt in the wheel), "cache",
+      "built now" (a JIT build with the local CUDA toolkit) or "unavailable", and the GPU
+      architecture it runs on
     """
 
     op: str
