@@ -193,6 +193,8 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     table = format_kernel_table(KernelReport("NVIDIA H200", "2.11.0", 4230.0, [row]))
     assert _table_widths(table) == {17} and "| gated_resnorm | 3072 | 4096 | 1 | 184.0 | 135.1 | - |" in table
     table = format_verify(
-        [VerifyRow("gated_resnorm", "D=3072 bf16", False, "bit 3 differs", 0.1)], "H200", "2.11"
+        [VerifyRow("gated_resnorm", "D=3072 bf16", False, "bit 3 differs", 0.1, "cache, sm 9.0")],
+        "H200",
+        "2.11",
     )
-    assert _table_widths(table) == {6} and table.endswith("1 of 1 FAILED")
+    assert _table_widths(table) == {7} and table.endswith("1 of 1 FAILED") and "| cache, sm 9.0 |" in table
