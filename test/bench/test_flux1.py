@@ -12,6 +12,7 @@ from flux2_fused.bench.pipeline import pipeline_call
 
 from ..conftest import count_block_code
 from ..models.flux1 import support
+from .test_hosts import images_both_ways
 
 pytest.importorskip("diffusers")
 CPU = torch.device("cpu")
@@ -50,11 +51,7 @@ def test_the_pipeline_benchmarks_flux_pipeline_call_makes_the_same_image(
     transformer = flux1.random_transformer("flux1-tiny", CPU, torch.float32, in_channels=64)
     pipe = flux1.pipeline(transformer)
     call = pipeline_call(pipe, flux1.prompt_embeddings(transformer, 8), 64, 64, steps=2, guidance_scale=3.5)
-    with torch.inference_mode():
-        images = {}
-        for fused in (False, True):
-            hosts.use_fused(pipe, fused)
-            images[fused] = call()
+    images = images_both_ways(pipe, call)
     assert images[True].shape == (1, 3, 64, 64) and torch.isfinite(images[True]).all()
     assert torch.equal(images[True], images[False])
     assert len(calls) == 2 * support.TINY["num_layers"]

@@ -5,6 +5,7 @@ forward and enable(), and give the same outputs either way."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -65,6 +66,16 @@ def test_the_diffusers_host_switches_between_diffusers_and_enable(
     assert torch.equal(outputs[True], outputs[False])
 
 
+def images_both_ways(pipe: object, call: Callable[[], torch.Tensor]) -> dict[bool, torch.Tensor]:
+    """The pipeline benchmark's call with diffusers' forward (False), then with `enable()` (True)."""
+    with torch.inference_mode():
+        images = {}
+        for fused in (False, True):
+            hosts.use_fused(pipe, fused)
+            images[fused] = call()
+    return images
+
+
 def test_the_pipeline_benchmarks_call_makes_the_same_image_with_enable(double_blocks: list[int]) -> None:
     """The pipeline benchmark's Flux2KleinPipeline call (default VAE, CFG) at 64 px, with the tiny
     transformer widened to the VAE's 128 packed latent channels."""
@@ -72,11 +83,7 @@ def test_the_pipeline_benchmarks_call_makes_the_same_image_with_enable(double_bl
     transformer = hosts.diffusers_host(config, CPU, torch.float32)
     pipe = hosts.klein_pipeline(diffusers.Flux2KleinPipeline, transformer)
     call = pipeline_call(pipe, prompt_embeddings(pipe, config, 8), 64, 64, steps=2, guidance_scale=4.0)
-    with torch.inference_mode():
-        images = {}
-        for fused in (False, True):
-            hosts.use_fused(pipe, fused)
-            images[fused] = call()
+    images = images_both_ways(pipe, call)
     assert images[True].shape == (1, 3, 64, 64) and torch.isfinite(images[True]).all()
     assert torch.equal(images[True], images[False])
     assert len(double_blocks) == 2 * 2 * TINY.num_layers  # two steps of two calls (CFG)

@@ -153,6 +153,32 @@ def _patched_vs_diffusers(
 ORDERS = pytest.mark.parametrize("patch_first", [False, True], ids=["setup-then-enable", "enable-then-setup"])
 
 
+def _image_512(seed: int = 5) -> object:
+    """A random 512x512 RGB PIL image."""
+    from PIL import Image
+
+    pixels = torch.randint(
+        0, 256, (512, 512, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
+    )
+    return Image.fromarray(pixels.numpy())
+
+
+def _call_512(pipe: object, **kwargs: object) -> Callable[[], torch.Tensor]:
+    """A 512x512 two-step call of `pipe` with a fixed seed and its own arguments `kwargs`; the images."""
+
+    def call() -> torch.Tensor:
+        return pipe(
+            **kwargs,
+            height=512,
+            width=512,
+            num_inference_steps=2,
+            generator=torch.Generator().manual_seed(0),
+            output_type="pt",
+        ).images
+
+    return call
+
+
 def _alone_then_enabled(
     pipe: object, call: Callable[[], torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -568,27 +594,13 @@ def test_torch_compile_of_the_patched_transformer_equals_diffusers(plain: nn.Mod
 def test_flux2_pipeline_with_an_input_image_equals_diffusers(fully_fused: int) -> None:
     """Flux2Pipeline (guidance embedding) with an input image, whose latents join the image rows as
     reference tokens with their own ids: images equal to the pipeline alone, every call fully fused."""
-    image_module = pytest.importorskip("PIL.Image")
     config = dataclasses.replace(CONFIG, guidance_embeds=True)
     model = hosts.diffusers_host(config, CUDA, torch.bfloat16, seed=5)
     pipe = hosts.klein_pipeline(diffusers.Flux2Pipeline, model)
-    pixels = torch.randint(
-        0, 256, (512, 512, 3), generator=torch.Generator().manual_seed(5), dtype=torch.uint8
-    )
     embeds = torch.randn(1, 128, CONFIG.joint_attention_dim, generator=torch.Generator().manual_seed(3))
-
-    def call() -> torch.Tensor:
-        return pipe(
-            prompt_embeds=embeds.to(CUDA, torch.bfloat16),
-            image=[image_module.fromarray(pixels.numpy())],
-            height=512,
-            width=512,
-            num_inference_steps=2,
-            guidance_scale=4.0,
-            generator=torch.Generator().manual_seed(0),
-            output_type="pt",
-        ).images
-
+    call = _call_512(
+        pipe, prompt_embeds=embeds.to(CUDA, torch.bfloat16), image=[_image_512()], guidance_scale=4.0
+    )
     expected, patched, launches = _alone_then_enabled(pipe, call)
     assert torch.equal(patched, expected) and launches == 2 * fully_fused
 
@@ -628,29 +640,13 @@ def test_flux1_pipelines_equal_diffusers(family: Family, pipeline: str, fully_fu
     """FluxPipeline at 512x512 (1024 image tokens), and FluxKontextPipeline with a reference image
     (its latents join the image rows with their own ids): the same images with and without enable(),
     every transformer call fully fused."""
-    from PIL import Image
-
     model = family.model()
     pipe = flux1.pipeline(model, cls=getattr(diffusers, pipeline))
     prompts = flux1.prompt_embeddings(model, 128)
-    pixels = torch.randint(
-        0, 256, (512, 512, 3), generator=torch.Generator().manual_seed(5), dtype=torch.uint8
+    extra = {"image": _image_512(), "max_area": 512 * 512} if "Kontext" in pipeline else {}
+    expected, patched, launches = _alone_then_enabled(
+        pipe, _call_512(pipe, **prompts, **extra, guidance_scale=3.5)
     )
-    extra = {"image": Image.fromarray(pixels.numpy()), "max_area": 512 * 512} if "Kontext" in pipeline else {}
-
-    def call() -> torch.Tensor:
-        return pipe(
-            **prompts,
-            **extra,
-            height=512,
-            width=512,
-            num_inference_steps=2,
-            guidance_scale=3.5,
-            generator=torch.Generator().manual_seed(0),
-            output_type="pt",
-        ).images
-
-    expected, patched, launches = _alone_then_enabled(pipe, call)
     assert torch.equal(patched, expected)
     if pipeline == "FluxPipeline":
         assert launches == 2 * fully_fused
