@@ -204,9 +204,9 @@ def test_each_module_is_self_contained(op: str, modules: dict[str, Path]) -> Non
 
 def test_the_installed_wheel_loads_its_modules_without_a_toolkit(wheel: Path, tmp_path: Path) -> None:
     """pip-installed into a fresh folder, run with no CUDA toolkit in reach (no CUDA_HOME or CUDA_PATH,
-    no folder on PATH that holds an nvcc, /usr/local/cuda not consulted): every op loads its bundled
-    module on Hopper, Blackwell and a newer GPU (through PTX); no build is ever attempted; a GPU the
-    bundle does not cover says why."""
+    no folder on PATH that holds an nvcc, neither /usr/local/cuda nor NVIDIA's pip packages
+    consulted): every op loads its bundled module on Hopper, Blackwell and a newer GPU (through
+    PTX); no build is ever attempted; a GPU the bundle does not cover says why."""
     target = tmp_path / "site"
     install = [
         sys.executable,
@@ -224,6 +224,7 @@ def test_the_installed_wheel_loads_its_modules_without_a_toolkit(wheel: Path, tm
 import sys
 from flux2_fused.ops import OPS, jit
 jit.DEFAULT_CUDA_HOMES = ()
+jit.pip_cuda_homes = list
 attempts, build = [], jit.build
 def counting_build(spec, *args, **kwargs):
     attempts.append(spec.name)

@@ -288,12 +288,46 @@ def test_find_cuda_home_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert jit.find_nvcc() == str(homes["on-path"] / "bin" / "nvcc")
 
 
-@pytest.fixture
-def no_nvcc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No toolkit anywhere jit looks: no $CUDA_HOME/$CUDA_PATH, no default folder, an empty PATH."""
+def test_a_toolkit_from_nvidias_pip_packages_is_found_last(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`pip install flux2-fused[jit]`: nvcc under the `nvidia` namespace package (CUDA 13's `cu13`,
+    CUDA 12's `cuda_nvcc`), used where no other toolkit is found."""
+    nvcc = tmp_path / "site" / "nvidia" / "cu13" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "nvidia", raising=False)
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setattr(jit, "DEFAULT_CUDA_HOMES", ())
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert tmp_path / "site" / "nvidia" / "cu13" in jit.pip_cuda_homes()
+    assert jit.find_cuda_home() == tmp_path / "site" / "nvidia" / "cu13"
+
+
+def test_a_toolkit_with_only_a_versioned_cudart_gets_a_link_for_the_linker(tmp_path: Path) -> None:
+    """NVIDIA's pip runtime ships libcudart.so.13 only; tvm-ffi links `-lcudart`."""
+    home = tmp_path / "cu13"
+    (home / "lib").mkdir(parents=True)
+    (home / "lib" / "libcudart.so.13").write_bytes(b"")
+    dirs = jit.cudart_link_dirs(home, tmp_path / "work")
+    link = dirs[-1] / "libcudart.so"
+    assert link.is_symlink() and link.resolve() == (home / "lib" / "libcudart.so.13").resolve()
+    (home / "lib64").mkdir()
+    (home / "lib64" / "libcudart.so").write_bytes(b"")
+    assert jit.cudart_link_dirs(home, tmp_path / "work2") == [home / "lib64", home / "lib"]
+
+
+@pytest.fixture
+def no_nvcc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No toolkit anywhere jit looks: no $CUDA_HOME/$CUDA_PATH, no default folder, an empty PATH, no
+    NVIDIA pip packages."""
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setattr(jit, "DEFAULT_CUDA_HOMES", ())
+    monkeypatch.setattr(jit, "pip_cuda_homes", list)
     monkeypatch.setenv("PATH", str(tmp_path))
 
 

@@ -87,13 +87,51 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "flux2-fused"
 
 
+# Where NVIDIA's pip packages put a toolkit inside their `nvidia` namespace package (the `[jit]`
+# extra: nvidia-cuda-nvcc with its headers, runtime and NVVM): CUDA 13's layout, then CUDA 12's.
+PIP_CUDA_HOMES = ("cu13", "cuda_nvcc")
+
+
+def pip_cuda_homes() -> list[Path]:
+    """Toolkit folders of NVIDIA's pip packages, wherever the `nvidia` namespace package is installed."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        return []
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    return [Path(root) / name for root in roots for name in PIP_CUDA_HOMES]
+
+
 def find_cuda_home() -> Path | None:
-    """The CUDA toolkit: $CUDA_HOME, $CUDA_PATH, DEFAULT_CUDA_HOMES, else the one holding nvcc on PATH."""
+    """The CUDA toolkit: $CUDA_HOME, $CUDA_PATH, DEFAULT_CUDA_HOMES, the one holding nvcc on PATH,
+    else the one NVIDIA's pip packages installed (`pip install flux2-fused[jit]`)."""
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), *DEFAULT_CUDA_HOMES):
         if home and (Path(home) / "bin" / "nvcc").is_file():
             return Path(home)
     found = shutil.which("nvcc")
-    return Path(found).resolve().parent.parent if found else None
+    if found:
+        return Path(found).resolve().parent.parent
+    return next((home for home in pip_cuda_homes() if (home / "bin" / "nvcc").is_file()), None)
+
+
+def cudart_link_dirs(home: Path, scratch: Path) -> list[Path]:
+    """Folders for the linker's `-lcudart` (which tvm-ffi always passes): the toolkit's lib64 and lib,
+    and where a toolkit has only the versioned `libcudart.so.N` (NVIDIA's pip packages), a folder in
+    `scratch` with a `libcudart.so` link to it (the module then needs `libcudart.so.N`, the library
+    torch has loaded)."""
+    dirs = [home / "lib64", home / "lib"]
+    if any((folder / "libcudart.so").exists() for folder in dirs):
+        return dirs
+    versioned = sorted(p for folder in dirs if folder.is_dir() for p in folder.glob("libcudart.so.[0-9]*"))
+    if not versioned:
+        return dirs
+    link = scratch / "cudart"
+    link.mkdir(parents=True, exist_ok=True)
+    (link / "libcudart.so").unlink(missing_ok=True)
+    (link / "libcudart.so").symlink_to(versioned[0])
+    return [*dirs, link]
 
 
 def find_nvcc() -> str | None:
@@ -320,8 +358,9 @@ def _compile(spec: KernelSpec, archs: Sequence[str], nvcc: str, lib: Path) -> No
                 cuda_files=[str(CSRC / name) for name in spec.sources],
                 extra_cuda_cflags=list(CUDA_FLAGS),
                 extra_include_paths=[str(CSRC)],
-                # Some toolkits keep libcudart under lib/ rather than the lib64/ tvm-ffi uses.
-                extra_ldflags=[f"-L{Path(nvcc).parent.parent / 'lib'}"],
+                # Some toolkits keep libcudart under lib/ rather than the lib64/ tvm-ffi uses, or
+                # only as libcudart.so.N.
+                extra_ldflags=[f"-L{d}" for d in cudart_link_dirs(Path(nvcc).parent.parent, work)],
                 build_directory=str(work),
                 backend="cuda",
             )
