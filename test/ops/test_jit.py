@@ -291,8 +291,8 @@ def test_find_cuda_home_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
 def test_a_toolkit_from_nvidias_pip_packages_is_found_last(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """`pip install flux2-fused[jit]`: nvcc under the `nvidia` namespace package (CUDA 13's `cu13`,
-    CUDA 12's `cuda_nvcc`), used where no other toolkit is found."""
+    """`pip install flux2-fused[jit]`: nvcc under the `nvidia` namespace package (CUDA 13's `cu13`),
+    used where no other toolkit is found."""
     nvcc = tmp_path / "site" / "nvidia" / "cu13" / "bin" / "nvcc"
     nvcc.parent.mkdir(parents=True)
     nvcc.write_text("#!/bin/sh\n")

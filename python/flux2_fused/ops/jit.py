@@ -88,8 +88,8 @@ def cache_root() -> Path:
 
 
 # Where NVIDIA's pip packages put a toolkit inside their `nvidia` namespace package (the `[jit]`
-# extra: nvidia-cuda-nvcc with its headers, runtime and NVVM): CUDA 13's layout, then CUDA 12's.
-PIP_CUDA_HOMES = ("cu13", "cuda_nvcc")
+# extra: CUDA 13's nvidia-cuda-nvcc with its headers, runtime and NVVM, all under one folder).
+PIP_CUDA_HOMES = ("cu13",)
 
 
 def pip_cuda_homes() -> list[Path]:
