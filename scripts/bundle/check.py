@@ -27,7 +27,8 @@ with torch.inference_mode():
     enable(model)
     fused = model(**inputs, return_dict=False)[0]
     torch.cuda.synchronize()
-    print(f"enable() + first fused step: {time.perf_counter() - start:.2f} s, equal: {torch.equal(fused, expected)}")
+    seconds = time.perf_counter() - start
+    print(f"enable() + first fused step: {seconds:.2f} s, equal: {torch.equal(fused, expected)}")
     for op in OPS:
         print(op.name, jit.module_origin(op.spec, jit.device_arch(0)))
     print("fused launches:", kernel_breakdown(lambda: model(**inputs)).launches["fused"])

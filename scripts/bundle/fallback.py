@@ -17,4 +17,5 @@ with warnings.catch_warnings(record=True) as caught:
 origin = jit.module_origin(swiglu.OP.spec, jit.device_arch(0))
 equal = torch.equal(out, swiglu.reference.swiglu(x))
 messages = [str(w.message)[:160] for w in caught]
-print("toolkit hidden" if os.environ.get("HIDE") == "1" else "toolkit", origin, "| equal:", equal, "|", messages)
+where = "toolkit hidden" if os.environ.get("HIDE") == "1" else "toolkit"
+print(where, origin, "| equal:", equal, "|", messages)
