@@ -84,6 +84,12 @@ def unwrapped(module: nn.Module, own: tuple[type, ...] = ()) -> bool:
     )
 
 
+def dropout_inactive(host: Host, module: nn.Module) -> bool:
+    """A dropout the block code may skip: a plain `nn.Dropout` (not a subclass, which may do more)
+    that changes nothing, p = 0 or in eval mode."""
+    return type(module) is nn.Dropout and host.plain(module) and (module.p == 0 or not module.training)
+
+
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """PyTorch's SDPA on [B, S, H, hd] tensors -> [B, S, H * hd], as diffusers' native backend runs it.
 

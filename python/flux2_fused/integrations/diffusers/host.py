@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...host import Attention, ModuleHost, unwrapped
+from ...host import Attention, ModuleHost, dropout_inactive
 
 # The attention of a processor on the block code's q, k, v, or None where its own call must run:
 # (host, processor, the call's attention options, the joint rows that are text) -> Attention | None.
@@ -103,15 +103,7 @@ class DiffusersHost(ModuleHost):
         if not self.plain(attn) or getattr(attn, "fused_projections", False):
             return False
         out = getattr(attn, "to_out", None)  # a pre-only attention (FLUX.1's single block) has none
-        if isinstance(out, nn.ModuleList) and len(out) > 1:
-            dropout = out[1]
-            if not (
-                isinstance(dropout, nn.Dropout)
-                and unwrapped(dropout)
-                and (dropout.p == 0 or not dropout.training)
-            ):
-                return False
-        return True
+        return not (isinstance(out, nn.ModuleList) and len(out) > 1) or dropout_inactive(self, out[1])
 
     @staticmethod
     def dispatch(processor: Any) -> Attention:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...host import Host
+from ...host import Host, dropout_inactive
 from ...ops import gelu_tanh
 from ..common import (
     Options,
@@ -85,11 +85,6 @@ def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> 
         hidden = host.linear(net[0].proj, x)
         return host.linear(net[2], gelu_tanh.apply(hidden, enabled=fusion.fused))
     return host.call(ff, x)
-
-
-def dropout_inactive(host: Host, module: nn.Module) -> bool:
-    """A plain Dropout that changes nothing: p = 0 or the module in eval mode."""
-    return type(module) is nn.Dropout and host.plain(module) and (module.p == 0 or not module.training)
 
 
 def joint_attention(
