@@ -296,7 +296,7 @@ def test_caches_on_klein_4b_gpu(cache: str, monkeypatch: pytest.MonkeyPatch) -> 
     results = {}
     for enable_at in (None, "first", "last"):
         with monkeypatch.context() as patch:
-            diffusers_blocks = _count_class_forwards(patch)
+            diffusers_blocks = _count_class_forwards(patch, FAMILIES["flux2"])
             bodies = [count_block_code(patch, f"{kind}_block_body") for kind in ("double", "single")]
             transformer = hosts.diffusers_host(config, torch.device("cuda"), torch.bfloat16)
             pipe = hosts.klein_pipeline(diffusers.Flux2KleinPipeline, transformer)
