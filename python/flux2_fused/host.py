@@ -24,6 +24,8 @@ from torch import nn
 
 # q, k, v [B, S, H, head_dim] (text rows first) -> attention output [B, S, H * head_dim].
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# An RMSNorm's weight (None without one) and eps (None: the dtype's machine epsilon, as PyTorch's).
+RMSNormParameters = tuple[torch.Tensor | None, float | None]
 
 
 @runtime_checkable
@@ -44,6 +46,12 @@ class Host(Protocol):
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A projection's output, called as the host calls it, so LoRA layers, quantized linears and
         offload hooks run with the weights they hold at call time."""
+        ...
+
+    def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
+        """(weight, eps) of a plain q/k norm the block code may compute as diffusers' `nn.RMSNorm`
+        with that weight and eps (the fused prologue does); None where the module's own call must
+        run. A host whose RMSNorm class differs from PyTorch's names it here."""
         ...
 
     def attention(
@@ -119,6 +127,9 @@ class ModuleHost:
 
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return module(x)
+
+    def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
+        return (module.weight, module.eps) if type(module) is nn.RMSNorm and self.plain(module) else None
 
     def attention(
         self, attn: nn.Module, options: Mapping[str, Any] | None, text_tokens: int

@@ -54,11 +54,10 @@ def prologue(
 ) -> qk_norm_rope.Prologue:
     """q, k (and v) for attention: each q and k part's heads [B, S, H, hd] through its RMSNorm,
     concatenated along tokens (text first), rotated; v's parts concatenated alike (None when not
-    given): one fused launch where the op accepts. Norms that are not plain RMSNorms of one eps (a
-    launch takes one) run as the host's module calls."""
-    norms = [norm for _, norm in (*q, *k)]
-    plain = all(type(norm) is nn.RMSNorm and host.plain(norm) for norm in norms)
-    if not plain or len({norm.eps for norm in norms}) != 1:
+    given): one fused launch where the op accepts. Norms the host does not vouch for as RMSNorms
+    (`host.rms_norm`), or of more than one eps (a launch takes one), run as the host's module calls."""
+    norms = [host.rms_norm(norm) for _, norm in (*q, *k)]
+    if any(norm is None for norm in norms) or len({eps for _, eps in norms}) != 1:
         # The norms as module calls, in diffusers' order: the last (image) part's q and k first.
         normed_q, normed_k = [None] * len(q), [None] * len(k)
         for i in reversed(range(len(q))):
@@ -69,8 +68,9 @@ def prologue(
             for normed in (normed_q, normed_k)
         ]
         return joint[0], joint[1], None if v is None else torch.cat(v, dim=1)
-    segments = [[qk_norm_rope.Segment(x, norm.weight) for x, norm in parts] for parts in (q, k)]
-    return qk_norm_rope.apply(*segments, *rope, norms[0].eps, v, enabled=fusion.fused)
+    weights = iter(weight for weight, _ in norms)
+    segments = [[qk_norm_rope.Segment(x, next(weights)) for x, _ in parts] for parts in (q, k)]
+    return qk_norm_rope.apply(*segments, *rope, norms[0][1], v, enabled=fusion.fused)
 
 
 def joint_attention_rows(
