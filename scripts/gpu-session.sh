@@ -3,7 +3,7 @@
 #   scripts/gpu-session.sh [ops-tests] [model-tests] [verify] [kernel-bench] [step-bench]
 #                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
 #                          [baseline-kernel-bench] [baseline-step-bench] [parallel-bench] [pytest:ARGS]
-#                          [ab-step:OPTIONS] [flux1-bench] [bundle-check]
+#                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
 # pipeline-bench: a Flux2KleinPipeline call (klein-4b, 1024 px, 8 steps, CFG, VAE decode) alone vs enable();
@@ -14,7 +14,9 @@
 # Run from the repository root. .whl/ holds cp312 wheels of what the GPU image lacks (apache-tvm-ffi,
 # diffusers), downloaded with `pip download --only-binary=:all: --python-version 3.12 ...`.
 # flux1-bench: `step --configs flux1-dev --host diffusers` and `pipeline --configs flux1-dev --steps 28`;
-# bundle-check: scripts/bundle/run.sh (the prebuilt wheel in .whl/bundle/, toolkit hidden).
+# bundle-check: scripts/bundle/run.sh (the prebuilt wheel in .whl/bundle/, toolkit hidden);
+# sglang: sglang's DiT files (.whl/sglang/sglang-slim.tgz, made by sglang-slim.sh) and the small wheels
+# it imports (.whl/sglang/*.whl), its GPU tests, then `python -m flux2_fused.bench.sglang`.
 # ab-step:OPTIONS runs `flux2-fused step OPTIONS` on .baseline, then on this tree, into one ab-step.log.
 # The baseline-* steps run the same benchmark from .baseline/python (an earlier tree, e.g.
 # `git archive <commit> python | tar -x -C .baseline`), for before/after numbers in one session; the
@@ -68,6 +70,11 @@ for step in "$@"; do
       python3 -m flux2_fused pipeline --configs flux1-dev --steps 28 --pairs ${FLUX1_PAIRS:-1} \
         --json "$OUT/pipeline-flux1.json" 2>&1 | tee "$OUT/pipeline-flux1.log" || rc=1 ;;
     bundle-check) bash scripts/bundle/run.sh 2>&1 | tee "$OUT/bundle-check.log" || rc=1 ;;
+    sglang)
+      mkdir -p /tmp/sglang && tar xzf .whl/sglang/sglang-slim.tgz -C /tmp/sglang &&
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/sglang/*.whl || rc=1
+      PYTHONPATH=/tmp/sglang:$PYTHONPATH python3 -m pytest -q test/integrations/sglang -m gpu 2>&1 | tee "$OUT/sglang-tests.log" | tail -5 || rc=1
+      PYTHONPATH=/tmp/sglang:$PYTHONPATH python3 -m flux2_fused.bench.sglang --json "$OUT/sglang.json" ${SGLANG_BENCH_ARGS:-} 2>&1 | tee "$OUT/sglang-bench.log" | grep -v -i warn || rc=1 ;;
     pytest:*) python3 -m pytest -q ${step#pytest:} 2>&1 | tee -a "$OUT/pytest.log" | tail -15 || rc=1 ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac

@@ -109,6 +109,17 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.T
     return out.permute(0, 2, 1, 3).flatten(2, 3)
 
 
+def call_arguments(parameters: Mapping[str, Any], args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """A host's forward's arguments by name with their defaults (`parameters`: its parameters in
+    order, with defaults), None where Python would reject the call (too many, unknown or repeated
+    arguments) or hidden_states, the one every forward requires, is missing."""
+    names = list(parameters)
+    if len(args) > len(names) or not set(kwargs) <= set(names[len(args) :]):
+        return None
+    settings = {**parameters, **dict(zip(names, args, strict=False)), **kwargs}
+    return settings if len(args) > 0 or "hidden_states" in kwargs else None
+
+
 class ModuleHost:
     """A host whose modules are plain PyTorch modules (the package's own model): a module is plain
     where it is of one of `classes` (those whose forward the family's block code reproduces) and

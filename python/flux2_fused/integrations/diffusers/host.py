@@ -52,17 +52,6 @@ class Binding:
     blocks: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
 
 
-def call_arguments(parameters: Mapping[str, Any], args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    """A diffusers forward's arguments by name with their defaults (`parameters`: its parameters in
-    order, with defaults), None where Python would reject the call (too many, unknown or repeated
-    arguments) or hidden_states, the one every forward requires, is missing."""
-    names = list(parameters)
-    if len(args) > len(names) or not set(kwargs) <= set(names[len(args) :]):
-        return None
-    settings = {**parameters, **dict(zip(names, args, strict=False)), **kwargs}
-    return settings if len(args) > 0 or "hidden_states" in kwargs else None
-
-
 def resolve(qualified: str) -> type | None:
     """The class `package.module.Class` names, None where this diffusers has no such class."""
     module, _, name = qualified.rpartition(".")

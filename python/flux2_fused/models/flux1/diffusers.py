@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...host import Attention, Host
-from ...integrations.diffusers.host import Binding, DiffusersHost, call_arguments
+from ...host import Attention, Host, call_arguments
+from ...integrations.diffusers.host import Binding, DiffusersHost
 from ..common import Options, Rope
 from ..deferral import Fusion
 from .blocks import (

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...host import Attention
-from ...integrations.diffusers.host import Binding, DiffusersHost, call_arguments
+from ...host import Attention, call_arguments
+from ...integrations.diffusers.host import Binding, DiffusersHost
 from ..common import Options, Rope, layer_norms_plain
 from ..deferral import Fusion
 from .blocks import (

@@ -1,0 +1,257 @@
+"""sglang's FLUX.2 DiT next to diffusers' with the same weights, in one process: the bit check and the
+step times of sglang's own forward, sglang with `enable()`, diffusers eager and diffusers + `enable()`.
+
+    python -m flux2_fused.bench.sglang [--configs klein-4b dev] [--pairs N] [--json FILE]
+
+sglang's DiT needs its runtime around it even outside its server: a one-rank distributed group, the
+global server arguments (attention backend torch_sdpa, so its attention is diffusers' native SDPA),
+and a forward context around each call (`prepare_runtime`, `call`). Where this environment lacks a
+package sglang imports on this path but never calls into here (torchvision without a build matching
+torch; sgl-kernel, whose wheels pin another torch), `prepare_runtime` puts a stub in its place that
+raises if anything of it is used. sglang's pipeline passes the timestep already x1000 and the RoPE
+tables of the joint text-then-image ids; `sglang_inputs` does the same from diffusers' arguments, with
+the scaled timestep computed as diffusers' forward computes it (so both models see the same values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import itertools
+import json
+import os
+import socket
+import statistics
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..models.flux2 import Flux2Config
+from . import hosts
+
+SERVER_ARGS = {
+    "attention_backend": "torch_sdpa",
+    "comfyui_mode": False,
+    "kv_gather_degree": 1,
+    "sp_split_auto": False,
+    "enable_torch_compile": False,
+    "enable_breakable_cuda_graph": False,
+    "attention_backend_config": None,
+    "enable_layerwise_nvtx_marker": False,
+    "disable_autocast": False,
+    "enable_cfg_parallel": False,
+    "component_precisions": {},
+    "model_loaded": {"transformer": True},
+    "model_paths": {},
+}
+PATHS = ("sglang", "sglang + enable()", "diffusers", "diffusers + enable()")
+
+
+class _Stubbed:
+    """Whatever a stubbed package's module is asked for: usable in import-time definitions
+    (attributes, base classes), raising if called."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Stubbed(f"{self._name}.{name}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise ImportError(f"{self._name}: a stub of a package this environment lacks was called")
+
+    def __mro_entries__(self, bases: tuple) -> tuple:
+        return (object,)
+
+
+def _stub(package: str, submodules: tuple[str, ...]) -> None:
+    for name in (package, *(f"{package}.{sub}" for sub in submodules)):
+        module = types.ModuleType(name)
+        module.__path__ = []
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        module.__getattr__ = _Stubbed(name).__getattr__
+        sys.modules[name] = module
+
+
+def _importable(package: str) -> bool:
+    try:
+        __import__(package)
+    except Exception:
+        return False
+    return True
+
+
+def prepare_runtime(device: torch.device) -> None:
+    """sglang's runtime for one process on `device` (idempotent): stubs for missing packages (see
+    the module docstring), the one-rank group, the server arguments."""
+    import transformers.utils
+
+    transformers.utils.is_torchvision_available()  # decided (and cached) before any stub exists
+    if not _importable("torchvision"):
+        _stub("torchvision", ("transforms", "transforms.functional", "io"))
+    if device.type == "cuda" and not _importable("sgl_kernel"):
+        _stub("sgl_kernel", ())
+    from sglang.multimodal_gen.runtime.distributed import parallel_state
+    from sglang.multimodal_gen.runtime.server_args import set_global_server_args
+
+    if not torch.distributed.is_initialized():
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        with socket.socket() as probe:  # a free port: another process (a test's child) may hold one
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+    parallel_state.maybe_init_distributed_environment_and_model_parallel(tp_size=1, sp_size=1)
+    set_global_server_args(argparse.Namespace(**SERVER_ARGS))
+
+
+def sglang_dit(reference: nn.Module) -> nn.Module:
+    """sglang's Flux2Transformer2DModel of diffusers' `reference`'s config, holding the same weight
+    tensors (no copy), in eval mode."""
+    from sglang.multimodal_gen.configs.models.dits.flux import FluxConfig
+    from sglang.multimodal_gen.runtime.models.dits.flux_2 import Flux2Transformer2DModel
+
+    arch = {key: value for key, value in reference.config.items() if not key.startswith("_")}
+    config = FluxConfig()
+    config.update_model_arch(arch)
+    with torch.device("meta"):
+        model = Flux2Transformer2DModel(config, hf_config=arch)
+    model.load_state_dict(reference.state_dict(), strict=True, assign=True)
+    return model.eval()
+
+
+def sglang_inputs(model: nn.Module, inputs: dict) -> dict:
+    """sglang's forward arguments for diffusers' `inputs` (see the module docstring)."""
+    hidden_states = inputs["hidden_states"]
+    ids = torch.cat([inputs["txt_ids"], inputs["img_ids"]], dim=0)
+    return {
+        "hidden_states": hidden_states,
+        "encoder_hidden_states": inputs["encoder_hidden_states"],
+        "timestep": inputs["timestep"].to(hidden_states.dtype) * 1000,
+        "guidance": inputs.get("guidance"),
+        "freqs_cis": model.rotary_emb(ids),
+    }
+
+
+def call(model: nn.Module, inputs: dict) -> torch.Tensor:
+    """One forward of sglang's DiT inside its forward context."""
+    from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
+
+    with set_forward_context(current_timestep=0, attn_metadata=None):
+        return model(**inputs)
+
+
+def runners(reference: nn.Module, inputs: dict) -> dict[str, Callable[[], torch.Tensor]]:
+    """The four paths (PATHS) on one set of weights: each a call of one step."""
+    from ..integrations.sglang import enable
+
+    dit = sglang_dit(reference)
+    handle = enable(dit)
+    sg_inputs = sglang_inputs(dit, inputs)
+
+    def on_sglang(active: bool) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            handle.active = active
+            return call(dit, sg_inputs)
+
+        return run
+
+    def on_diffusers(fused: bool) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            hosts.use_fused(reference, fused)
+            return reference(**inputs, return_dict=False)[0]
+
+        return run
+
+    return dict(
+        zip(PATHS, (on_sglang(False), on_sglang(True), on_diffusers(False), on_diffusers(True)), strict=True)
+    )
+
+
+def pipelined_ms(runs: dict[str, Callable[[], torch.Tensor]], rounds: int) -> dict[str, list[float]]:
+    """Steps of every path enqueued back to back, the order rotated each round (drift hits all
+    alike), each timed between the CUDA events around it; one synchronization at the end."""
+    order = [
+        name
+        for r in range(rounds)
+        for name in itertools.islice(itertools.cycle(runs), r % len(runs), r % len(runs) + len(runs))
+    ]
+    for run in runs.values():  # warm-up, untimed
+        run()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(order) + 1)]
+    marks[0].record()
+    for name, mark in zip(order, marks[1:], strict=True):
+        runs[name]()
+        mark.record()
+    marks[-1].synchronize()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for name, start, end in zip(order, marks, marks[1:], strict=False):
+        times[name].append(start.elapsed_time(end))
+    return times
+
+
+def compare(reference: nn.Module, inputs: dict, rounds: int) -> dict[str, Any]:
+    """The four paths' outputs against diffusers eager (bit-identical, or the share of elements that
+    differ) and, on a GPU, their pipelined step times (median ms)."""
+    runs = runners(reference, inputs)
+    with torch.inference_mode():
+        outputs = {name: run() for name, run in runs.items()}
+        expected = outputs["diffusers"]
+        result: dict[str, Any] = {
+            name: {
+                "bit_exact": torch.equal(
+                    out.view(torch.int16) if out.dtype != torch.float32 else out,
+                    expected.view(torch.int16) if expected.dtype != torch.float32 else expected,
+                ),
+                "differing": float((out != expected).float().mean()),
+            }
+            for name, out in outputs.items()
+        }
+        if expected.is_cuda and rounds > 0:
+            for name, times in pipelined_ms(runs, rounds).items():
+                result[name]["ms"] = statistics.median(times)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m flux2_fused.bench.sglang", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--configs", nargs="+", default=["klein-4b", "dev"], choices=["klein-4b", "klein-9b", "dev"]
+    )
+    parser.add_argument("--rounds", type=int, default=7, help="timed steps per path (default 7)")
+    parser.add_argument("--json", help="write the results to this file")
+    args = parser.parse_args(argv)
+    from .step import step_inputs
+
+    device = torch.device("cuda")
+    prepare_runtime(device)
+    results = {}
+    for name in args.configs:
+        config = Flux2Config.preset(name)
+        reference = hosts.diffusers_host(config, device, torch.bfloat16)
+        inputs = step_inputs(config, 1, 4096, 512, torch.bfloat16)
+        results[name] = compare(reference, inputs, args.rounds)
+        print(f"{name}, 1024x1024, bf16, pipelined:")
+        for path, row in results[name].items():
+            exact = (
+                "bit-identical to diffusers"
+                if row["bit_exact"]
+                else f"{row['differing']:.1%} of elements differ"
+            )
+            print(f"  {path:<22} {row.get('ms', float('nan')):8.2f} ms   {exact}")
+        del reference
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0 if all(r["sglang + enable()"]["bit_exact"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
