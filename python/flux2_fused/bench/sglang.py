@@ -16,6 +16,7 @@ the scaled timestep computed as diffusers' forward computes it (so both models s
 from __future__ import annotations
 
 import argparse
+import importlib.abc
 import importlib.machinery
 import itertools
 import json
@@ -70,13 +71,33 @@ class _Stubbed:
         return (object,)
 
 
-def _stub(package: str, submodules: tuple[str, ...]) -> None:
-    for name in (package, *(f"{package}.{sub}" for sub in submodules)):
-        module = types.ModuleType(name)
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports of a stubbed package and any of its submodules give stub modules."""
+
+    def __init__(self, package: str) -> None:
+        self.package = package
+
+    def find_spec(
+        self, name: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if name != self.package and not name.startswith(f"{self.package}."):
+            return None
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = types.ModuleType(spec.name)
         module.__path__ = []
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
-        module.__getattr__ = _Stubbed(name).__getattr__
-        sys.modules[name] = module
+        module.__getattr__ = _Stubbed(spec.name).__getattr__
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def _stub(package: str) -> None:
+    for name in [name for name in sys.modules if name == package or name.startswith(f"{package}.")]:
+        del sys.modules[name]  # a half-imported real package
+    sys.meta_path.insert(0, _StubFinder(package))
 
 
 def _importable(package: str) -> bool:
@@ -94,9 +115,9 @@ def prepare_runtime(device: torch.device) -> None:
 
     transformers.utils.is_torchvision_available()  # decided (and cached) before any stub exists
     if not _importable("torchvision"):
-        _stub("torchvision", ("transforms", "transforms.functional", "io"))
+        _stub("torchvision")
     if device.type == "cuda" and not _importable("sgl_kernel"):
-        _stub("sgl_kernel", ())
+        _stub("sgl_kernel")
     from sglang.multimodal_gen.runtime.distributed import parallel_state
     from sglang.multimodal_gen.runtime.server_args import set_global_server_args
 

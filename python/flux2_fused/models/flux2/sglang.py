@@ -12,8 +12,10 @@ takes differs, and this module maps it:
 - `joint_attention_kwargs`: sglang drops a LoRA "scale"; other keys go to sglang's own forward.
 A call runs on the block code only where the block code can do all of it (`runs_whole`): one rank (no
 tensor or sequence parallelism), an unquantized model (sglang's FP8/NVFP4 paths fuse quantization
-into its norms), every block, attention, feed-forward and norm plain for the host, the RoPE tables
-given. Everything else is sglang's own forward, whole: a call is never part ours, part sglang's.
+into its norms), the block lists PyTorch's own `ModuleList`s (a cache such as cache-dit replaces them
+with containers that decide which blocks run), every block, attention, feed-forward and norm plain
+for the host, the RoPE tables given. Everything else is sglang's own forward, whole: a call is never
+part ours, part sglang's.
 """
 
 from __future__ import annotations
@@ -73,7 +75,13 @@ def _attention_plain(attn: nn.Module, host: SglangHost) -> bool:
 
 def runs_whole(model: nn.Module, host: SglangHost) -> bool:
     """Whether the block code can run all of this model's call (see the module docstring)."""
-    if getattr(model, "quant_config", None) is not None or not _one_rank():
+    if (
+        getattr(model, "quant_config", None) is not None
+        or not _one_rank()
+        # A cache (cache-dit) swaps the block lists for containers that decide which blocks run.
+        or type(model.transformer_blocks) is not nn.ModuleList
+        or type(model.single_transformer_blocks) is not nn.ModuleList
+    ):
         return False
     for block in model.transformer_blocks:
         if not (
