@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..models.flux2 import Flux2Config
+from ..ops.bits import bits_equal
 from . import hosts
 
 SERVER_ARGS = {
@@ -224,10 +225,7 @@ def compare(reference: nn.Module, inputs: dict, rounds: int) -> dict[str, Any]:
         expected = outputs["diffusers"]
         result: dict[str, Any] = {
             name: {
-                "bit_exact": torch.equal(
-                    out.view(torch.int16) if out.dtype != torch.float32 else out,
-                    expected.view(torch.int16) if expected.dtype != torch.float32 else expected,
-                ),
+                "bit_exact": bits_equal(out, expected),
                 "differing": float((out != expected).float().mean()),
             }
             for name, out in outputs.items()
