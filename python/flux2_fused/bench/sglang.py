@@ -50,6 +50,8 @@ SERVER_ARGS = {
     "model_loaded": {"transformer": True},
     "model_paths": {},
 }
+# The rendezvous variables prepare_runtime set, with the values they had before (None: unset).
+_SAVED_ENVIRONMENT: dict[str, str | None] = {}
 PATHS = ("sglang", "sglang + enable()", "diffusers", "diffusers + enable()")
 
 
@@ -123,12 +125,29 @@ def prepare_runtime(device: torch.device) -> None:
     from sglang.multimodal_gen.runtime.server_args import set_global_server_args
 
     if not torch.distributed.is_initialized():
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         with socket.socket() as probe:  # a free port: another process (a test's child) may hold one
             probe.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
+            port = str(probe.getsockname()[1])
+        rendezvous = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+        for key, value in {**rendezvous, "MASTER_PORT": port}.items():
+            _SAVED_ENVIRONMENT.setdefault(key, os.environ.get(key))
+            os.environ[key] = value
     parallel_state.maybe_init_distributed_environment_and_model_parallel(tp_size=1, sp_size=1)
     set_global_server_args(argparse.Namespace(**SERVER_ARGS))
+
+
+def release_runtime() -> None:
+    """Undo `prepare_runtime`'s one-rank group and its torchrun-style environment (a process that
+    goes on, such as a test run, must not look like a distributed job afterwards)."""
+    from sglang.multimodal_gen.runtime.distributed import parallel_state
+
+    parallel_state.cleanup_dist_env_and_memory()
+    for key, value in _SAVED_ENVIRONMENT.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _SAVED_ENVIRONMENT.clear()
 
 
 def sglang_dit(reference: nn.Module) -> nn.Module:

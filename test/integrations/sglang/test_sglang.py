@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,8 +30,11 @@ N_IMG, N_TXT = 37, 11  # odd counts
 
 
 @pytest.fixture(scope="module", autouse=True)
-def runtime() -> None:
+def runtime() -> Iterator[None]:
     harness.prepare_runtime(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    yield
+    harness.release_runtime()  # later tests (the CLI's torchrun detection) must see no process group
+    assert not torch.distributed.is_initialized() and "LOCAL_RANK" not in os.environ
 
 
 def _reference(
