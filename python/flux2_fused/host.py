@@ -15,7 +15,7 @@ docs/architecture.md shows the interface and how a new host plugs in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -62,6 +62,17 @@ class Host(Protocol):
         processor, arguments the block code does not implement, hooks). `options` are the host's
         per-call attention arguments, `text_tokens` how many joint rows are text."""
         ...
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def class_named(cls: type, names: Collection[str]) -> str | None:
+    """The first of `cls`'s classes along its MRO whose fully qualified name is in `names` (that
+    name), None where none is: hosts find models by class, never by the bare class name, which two
+    libraries' FLUX.2 transformers share."""
+    return next((name for base in cls.__mro__ if (name := qualified_name(base)) in names), None)
 
 
 def has_hooks(module: nn.Module) -> bool:

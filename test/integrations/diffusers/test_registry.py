@@ -7,8 +7,9 @@ import re
 import pytest
 import torch
 
+from flux2_fused.host import qualified_name
 from flux2_fused.integrations.diffusers import FAMILIES, enable
-from flux2_fused.integrations.diffusers.registry import binding_for, qualified_name
+from flux2_fused.integrations.diffusers.registry import binding_for
 from flux2_fused.models.flux2 import Flux2Transformer
 from flux2_fused.models.flux2.diffusers import BINDING
 

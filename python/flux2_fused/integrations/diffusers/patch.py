@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...host import qualified_name
 from ...models.deferral import Fusion
 from .host import DiffusersHost, FusedBlockForward
-from .registry import FAMILIES, binding_for, qualified_name
+from .registry import FAMILIES, binding_for
 from .slots import forward_slots, install, uninstall
 from .version import check_version
 

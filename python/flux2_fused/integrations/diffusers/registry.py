@@ -13,6 +13,7 @@ import importlib
 
 from torch import nn
 
+from ...host import class_named
 from .host import Binding
 
 # transformer class (module.qualname) -> the module of its family that exports BINDING
@@ -26,14 +27,7 @@ FAMILIES = {
 }
 
 
-def qualified_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def binding_for(model: nn.Module) -> Binding | None:
     """The binding of the family `model`'s class belongs to, None where no family covers it."""
-    for cls in type(model).__mro__:
-        module = FAMILIES.get(qualified_name(cls))
-        if module is not None:
-            return importlib.import_module(module).BINDING
-    return None
+    name = class_named(type(model), FAMILIES)
+    return None if name is None else importlib.import_module(FAMILIES[name]).BINDING

@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import nn
 
+from ...host import class_named, qualified_name
 from ...models.deferral import Fusion
-from ..diffusers.registry import qualified_name
 
 TRANSFORMER = "sglang.multimodal_gen.runtime.models.dits.flux_2.Flux2Transformer2DModel"
 
@@ -24,9 +24,7 @@ TRANSFORMER = "sglang.multimodal_gen.runtime.models.dits.flux_2.Flux2Transformer
 def is_sglang_dit(model: object) -> bool:
     """Whether `model` is sglang's FLUX.2 DiT (or a subclass), by qualified class name along its MRO:
     diffusers' transformer has the same class name."""
-    return isinstance(model, nn.Module) and any(
-        qualified_name(cls) == TRANSFORMER for cls in type(model).__mro__
-    )
+    return isinstance(model, nn.Module) and class_named(type(model), (TRANSFORMER,)) is not None
 
 
 @dataclass(repr=False)

@@ -31,8 +31,6 @@ from ..common import Rope, layer_norms_plain
 from ..deferral import Fusion
 from .blocks import DOUBLE_NORMS, Conditioning, activation_plain, transformer
 
-MODULE = "sglang.multimodal_gen.runtime.models.dits.flux_2"
-TRANSFORMER = f"{MODULE}.Flux2Transformer2DModel"
 # sglang's forward's parameters in order, with defaults.
 PARAMETERS = {
     "hidden_states": None,
