@@ -109,6 +109,14 @@ def dropout_inactive(host: Host, module: nn.Module) -> bool:
     return type(module) is nn.Dropout and host.plain(module) and (module.p == 0 or not module.training)
 
 
+def output_dropout_inactive(host: Host, attn: nn.Module) -> bool:
+    """An attention module's output dropout is one the block code may skip: the double block keeps a
+    parameter-free one at `to_out[1]` (diffusers, sglang); a `to_out` that is one Linear, or none
+    (FLUX.1's pre-only attention), has none."""
+    out = getattr(attn, "to_out", None)
+    return not (isinstance(out, nn.ModuleList) and len(out) > 1) or dropout_inactive(host, out[1])
+
+
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """PyTorch's SDPA on [B, S, H, hd] tensors -> [B, S, H * hd], as diffusers' native backend runs it.
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...host import Attention, ModuleHost, dropout_inactive
+from ...host import Attention, ModuleHost, output_dropout_inactive
 
 # The attention of a processor on the block code's q, k, v, or None where its own call must run:
 # (host, processor, the call's attention options, the joint rows that are text) -> Attention | None.
@@ -89,10 +89,11 @@ class DiffusersHost(ModuleHost):
         """The attention module's forward may be replaced by the block code (its processor aside):
         a family class, unfused projections, no hooks, the parameter-free dropout of `to_out`
         (diffusers keeps one at index 1 in the double block) inactive."""
-        if not self.plain(attn) or getattr(attn, "fused_projections", False):
-            return False
-        out = getattr(attn, "to_out", None)  # a pre-only attention (FLUX.1's single block) has none
-        return not (isinstance(out, nn.ModuleList) and len(out) > 1) or dropout_inactive(self, out[1])
+        return (
+            self.plain(attn)
+            and not getattr(attn, "fused_projections", False)
+            and output_dropout_inactive(self, attn)
+        )
 
     @staticmethod
     def dispatch(processor: Any) -> Attention:

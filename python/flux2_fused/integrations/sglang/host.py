@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...host import Attention, ModuleHost, RMSNormParameters, dropout_inactive, unwrapped
+from ...host import Attention, ModuleHost, RMSNormParameters, output_dropout_inactive, unwrapped
 
 # PyTorch modules the block code computes itself where nothing wraps them.
 TORCH_CLASSES = frozenset({nn.LayerNorm, nn.SiLU, nn.Dropout})
@@ -62,14 +62,13 @@ class SglangHost(ModuleHost):
         (no packed QKV, which its quantized checkpoints use) and an inactive output dropout; no
         per-call options (masks, sequence-parallel padding: sglang's own call handles those)."""
         core = getattr(attn, "attn", None)
-        out = getattr(attn, "to_out", None)
         if (
             options
             or core is None
             or not self.plain(attn)
             or not unwrapped(core)
             or getattr(attn, "use_fused_qkv", False)
-            or (isinstance(out, nn.ModuleList) and len(out) > 1 and not dropout_inactive(self, out[1]))
+            or not output_dropout_inactive(self, attn)
         ):
             return None
 
