@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..host import Attention, Host
+from ..host import Attention, Host, RMSNormParameters
 from ..ops import qk_norm_rope
 from .deferral import Fusion, Stream, materialize, stream_dtype
 
@@ -44,6 +44,15 @@ def layer_norms_plain(host: Host, module: nn.Module, names: Iterable[str]) -> bo
     return True
 
 
+def qk_norms(host: Host, norms: Iterable[nn.Module]) -> list[RMSNormParameters] | None:
+    """Each q/k norm's (weight, eps), where the host vouches for every one as an RMSNorm
+    (`host.rms_norm`) and they share one eps (a fused launch takes one); else None."""
+    params = [host.rms_norm(norm) for norm in norms]
+    if any(p is None for p in params) or len({eps for _, eps in params}) != 1:
+        return None
+    return params
+
+
 def prologue(
     host: Host,
     fusion: Fusion,
@@ -56,8 +65,8 @@ def prologue(
     concatenated along tokens (text first), rotated; v's parts concatenated alike (None when not
     given): one fused launch where the op accepts. Norms the host does not vouch for as RMSNorms
     (`host.rms_norm`), or of more than one eps (a launch takes one), run as the host's module calls."""
-    norms = [host.rms_norm(norm) for _, norm in (*q, *k)]
-    if any(norm is None for norm in norms) or len({eps for _, eps in norms}) != 1:
+    norms = qk_norms(host, (norm for _, norm in (*q, *k)))
+    if norms is None:
         # The norms as module calls, in diffusers' order: the last (image) part's q and k first.
         normed_q, normed_k = [None] * len(q), [None] * len(k)
         for i in reversed(range(len(q))):
@@ -163,16 +172,22 @@ def output_norm_body(
     return fusion.output_norm(x, scale[:, None, :], shift[:, None, :], norm_out.norm.eps)
 
 
-def output_norm(
-    norm_out: nn.Module, host: Host, fusion: Fusion, x: Stream, temb: torch.Tensor
-) -> torch.Tensor:
-    """The output norm: its body where it, its LayerNorm and its SiLU (where it has one as a module)
-    are plain, else its own call on the stream materialized."""
+def output_norm_plain(host: Host, norm_out: nn.Module) -> bool:
+    """The output norm's body may run: it, its LayerNorm and its SiLU (where it has one as a module)
+    are plain."""
     silu = getattr(norm_out, "silu", None)
-    if (
+    return (
         host.plain(norm_out)
         and layer_norms_plain(host, norm_out, ("norm",))
         and (silu is None or host.plain(silu))
-    ):
+    )
+
+
+def output_norm(
+    norm_out: nn.Module, host: Host, fusion: Fusion, x: Stream, temb: torch.Tensor
+) -> torch.Tensor:
+    """The output norm: its body where `output_norm_plain`, else its own call on the stream
+    materialized."""
+    if output_norm_plain(host, norm_out):
         return output_norm_body(norm_out, host, fusion, x, temb)
     return host.call(norm_out, materialize(x), temb)

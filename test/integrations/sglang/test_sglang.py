@@ -126,6 +126,16 @@ def test_a_hooked_block_runs_sglangs_forward(monkeypatch: pytest.MonkeyPatch) ->
     _fallback_case(monkeypatch, hook)
 
 
+def test_q_k_norms_of_two_eps_run_sglangs_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prologue fuses q/k norms of one eps only; otherwise it would call sglang's norms next to
+    diffusers' RoPE, so the whole call is sglang's own instead."""
+
+    def other_eps(dit, inputs):
+        dit.single_transformer_blocks[-1].attn.norm_k.variance_epsilon = 1e-5
+
+    _fallback_case(monkeypatch, other_eps)
+
+
 def test_a_wrapped_linear_layer_still_runs_fused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Projections are called as modules: a forward hook on one (as a LoRA or offload wrapper adds)
     runs, inside the block code."""

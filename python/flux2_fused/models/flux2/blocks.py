@@ -129,10 +129,15 @@ def swiglu_mlp(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> to
     return host.linear(ff.linear_out, swiglu.apply(host.linear(ff.linear_in, x), enabled=fusion.fused))
 
 
+def feed_forward_plain(host: Host, ff: nn.Module) -> bool:
+    """The block code may compute this MLP: `ff` and its activation module (where it has one) plain."""
+    return host.plain(ff) and activation_plain(host, getattr(ff, "act_fn", None))
+
+
 def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
     """The block code's MLP where `ff` (and its activation module, where it has one) is plain, else
     the module's own call."""
-    if host.plain(ff) and activation_plain(host, getattr(ff, "act_fn", None)):
+    if feed_forward_plain(host, ff):
         return swiglu_mlp(ff, host, fusion, x)
     return host.call(ff, x)
 
@@ -162,6 +167,11 @@ def double_block_body(
     )
 
 
+def double_block_plain(host: Host, block: nn.Module) -> bool:
+    """A double block's body may run: the block and its four affine-free LayerNorms are plain."""
+    return host.plain(block) and layer_norms_plain(host, block, DOUBLE_NORMS)
+
+
 def double_block(
     block: nn.Module,
     host: Host,
@@ -175,7 +185,7 @@ def double_block(
 ) -> tuple[Stream, Stream]:
     """One double block: its body on the pending streams where the block and its norms are plain,
     else the host's call of the block on the streams materialized (hooks see real tensors)."""
-    if host.plain(block) and layer_norms_plain(host, block, DOUBLE_NORMS):
+    if double_block_plain(host, block):
         return double_block_body(block, host, fusion, x, c, mod_img, mod_txt, rope, options)
     return call_double_block(host, block, x, c, rope, options, temb_mod_img=mod_img, temb_mod_txt=mod_txt)
 
@@ -224,6 +234,11 @@ def single_block_body(
     return fusion.add(h, update, gate, clip_fp16=True)
 
 
+def single_block_plain(host: Host, block: nn.Module) -> bool:
+    """A single block's body may run: the block and its affine-free LayerNorm are plain."""
+    return host.plain(block) and layer_norms_plain(host, block, ("norm",))
+
+
 def single_block(
     block: nn.Module,
     host: Host,
@@ -235,7 +250,7 @@ def single_block(
     text_tokens: int = 0,
 ) -> Stream:
     """One single block, chosen like `double_block`; `text_tokens` leads the joint rows."""
-    if host.plain(block) and layer_norms_plain(host, block, ("norm",)):
+    if single_block_plain(host, block):
         return single_block_body(block, host, fusion, h, mod, rope, options, text_tokens)
     return host.call(
         block,

@@ -27,9 +27,16 @@ from torch import nn
 
 from ...host import call_arguments
 from ...integrations.sglang.host import SglangHost
-from ..common import Rope, layer_norms_plain
+from ..common import Rope, output_norm_plain, qk_norms
 from ..deferral import Fusion
-from .blocks import DOUBLE_NORMS, Conditioning, activation_plain, transformer
+from .blocks import (
+    Conditioning,
+    activation_plain,
+    double_block_plain,
+    feed_forward_plain,
+    single_block_plain,
+    transformer,
+)
 
 # sglang's forward's parameters in order, with defaults.
 PARAMETERS = {
@@ -64,15 +71,18 @@ def _one_rank() -> bool:
     return get_tp_world_size() == 1 and get_sp_world_size() == 1
 
 
-def _attention_plain(attn: nn.Module, host: SglangHost) -> bool:
-    norms = ["norm_q", "norm_k"] + (["norm_added_q", "norm_added_k"] if hasattr(attn, "add_q_proj") else [])
-    return host.attention(attn, None, 0) is not None and all(
-        host.rms_norm(getattr(attn, name)) is not None for name in norms
+def _attention_runs(attn: nn.Module, host: SglangHost, norms: tuple[str, ...]) -> bool:
+    """The block code can run this attention module whole: the host has its attention, and the
+    prologue fuses its q/k norms (`norms`) rather than calling them."""
+    return host.attention(attn, None, 0) is not None and (
+        qk_norms(host, (getattr(attn, name) for name in norms)) is not None
     )
 
 
 def runs_whole(model: nn.Module, host: SglangHost) -> bool:
-    """Whether the block code can run all of this model's call (see the module docstring)."""
+    """Whether the block code can run all of this model's call (see the module docstring): every
+    dispatcher of the block code would take its body, so none of its fallbacks (which pass diffusers'
+    arguments) is reached."""
     if (
         getattr(model, "quant_config", None) is not None
         or not _one_rank()
@@ -81,35 +91,29 @@ def runs_whole(model: nn.Module, host: SglangHost) -> bool:
         or type(model.single_transformer_blocks) is not nn.ModuleList
     ):
         return False
-    for block in model.transformer_blocks:
-        if not (
-            host.plain(block)
-            and layer_norms_plain(host, block, DOUBLE_NORMS)
-            and _attention_plain(block.attn, host)
-            and all(
-                host.plain(ff) and activation_plain(host, ff.act_fn) for ff in (block.ff, block.ff_context)
-            )
-        ):
-            return False
-    for block in model.single_transformer_blocks:
-        if not (
-            host.plain(block)
-            and layer_norms_plain(host, block, ("norm",))
-            and _attention_plain(block.attn, host)
-            and activation_plain(host, block.attn.mlp_act_fn)
-        ):
-            return False
+    double_norms = ("norm_added_q", "norm_q", "norm_added_k", "norm_k")
+    if not all(
+        double_block_plain(host, block)
+        and _attention_runs(block.attn, host, double_norms)
+        and feed_forward_plain(host, block.ff)
+        and feed_forward_plain(host, block.ff_context)
+        for block in model.transformer_blocks
+    ):
+        return False
+    if not all(
+        single_block_plain(host, block)
+        and _attention_runs(block.attn, host, ("norm_q", "norm_k"))
+        and activation_plain(host, block.attn.mlp_act_fn)
+        for block in model.single_transformer_blocks
+    ):
+        return False
     modulations = (
         model.double_stream_modulation_img,
         model.double_stream_modulation_txt,
         model.single_stream_modulation,
     )
-    norm_out = model.norm_out
-    return (
-        all(host.plain(mod) and host.plain(mod.act_fn) for mod in modulations)
-        and host.plain(norm_out)
-        and layer_norms_plain(host, norm_out, ("norm",))
-        and host.plain(norm_out.silu)
+    return all(host.plain(mod) and host.plain(mod.act_fn) for mod in modulations) and output_norm_plain(
+        host, model.norm_out
     )
 
 
