@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import importlib.abc
 import importlib.machinery
-import itertools
 import json
 import os
 import socket
 import statistics
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +33,7 @@ from torch import nn
 from ..models.flux2 import Flux2Config
 from ..ops.bits import bits_equal
 from . import hosts
+from .timing import pipelined_ms
 
 SERVER_ARGS = {
     "attention_backend": "torch_sdpa",
@@ -213,26 +213,9 @@ def runners(reference: nn.Module, inputs: dict) -> dict[str, Callable[[], torch.
     )
 
 
-def pipelined_ms(runs: dict[str, Callable[[], torch.Tensor]], rounds: int) -> dict[str, list[float]]:
-    """Steps of every path enqueued back to back, the order rotated each round (drift hits all
-    alike), each timed between the CUDA events around it; one synchronization at the end."""
-    order = [
-        name
-        for r in range(rounds)
-        for name in itertools.islice(itertools.cycle(runs), r % len(runs), r % len(runs) + len(runs))
-    ]
-    for run in runs.values():  # warm-up, untimed
-        run()
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(order) + 1)]
-    marks[0].record()
-    for name, mark in zip(order, marks[1:], strict=True):
-        runs[name]()
-        mark.record()
-    marks[-1].synchronize()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for name, start, end in zip(order, marks, marks[1:], strict=False):
-        times[name].append(start.elapsed_time(end))
-    return times
+def rotated_order(names: Sequence[str], rounds: int) -> list[str]:
+    """Every name once a round, the order rotated by one each round, so drift hits all alike."""
+    return [names[(r + i) % len(names)] for r in range(rounds) for i in range(len(names))]
 
 
 def compare(reference: nn.Module, inputs: dict, rounds: int) -> dict[str, Any]:
@@ -250,7 +233,11 @@ def compare(reference: nn.Module, inputs: dict, rounds: int) -> dict[str, Any]:
             for name, out in outputs.items()
         }
         if expected.is_cuda and rounds > 0:
-            for name, times in pipelined_ms(runs, rounds).items():
+            for run in runs.values():  # each path's first call (self-checks, builds), untimed
+                run()
+            for name, times in pipelined_ms(
+                lambda name: runs[name](), rotated_order(list(runs), rounds)
+            ).items():
                 result[name]["ms"] = statistics.median(times)
     return result
 

@@ -60,7 +60,7 @@ from .report import (
     format_step_table,
     write_json,
 )
-from .timing import event_ms
+from .timing import event_ms, pipelined_ms
 
 # This package's CUDA kernels, by a part of their names the profiler shows; a new fused op adds its
 # kernel here, and both benchmarks (this one and bench/denoise.py) then count it as fused.
@@ -149,21 +149,8 @@ def time_synchronized(
 
 
 def time_pipelined(run: Callable[[bool], object], pairs: int) -> dict[bool, list[float]]:
-    """Steps enqueued back to back, as a denoise loop enqueues them (diffusers' pipelines do not
-    synchronize between steps): one synchronization at the end, each step timed between the CUDA
-    events around it. Once the host runs ahead this is the step's GPU time, launch gaps included."""
-    order = _pair_order(pairs)
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(order) + 1)]
-    run(False)  # untimed lead-in: the host gets ahead of the GPU before the first timed step
-    marks[0].record()
-    for mode, mark in zip(order, marks[1:], strict=True):
-        run(mode)
-        mark.record()
-    marks[-1].synchronize()
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for mode, start, end in zip(order, marks, marks[1:], strict=False):
-        times[mode].append(start.elapsed_time(end))
-    return times
+    """Eager and fused steps pipelined (`timing.pipelined_ms`), in `_pair_order`."""
+    return pipelined_ms(run, _pair_order(pairs))
 
 
 def _package_run(config: Flux2Config, inputs: dict, compiled: bool) -> Callable[[bool], torch.Tensor]:

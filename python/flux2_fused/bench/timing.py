@@ -9,6 +9,7 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
+K = TypeVar("K")
 
 
 def event_ms(fn: Callable[[], T]) -> tuple[T, float]:
@@ -43,6 +44,25 @@ def interleaved_median_us(
         for i, fn in enumerate(fns):
             samples[i].append(event_ms(fn)[1] * 1e3)
     return [statistics.median(s) for s in samples]
+
+
+def pipelined_ms(run: Callable[[K], object], order: Sequence[K]) -> dict[K, list[float]]:
+    """Steps enqueued back to back, as a denoise loop enqueues them (diffusers' pipelines do not
+    synchronize between steps): `run(mode)` for each mode of `order`, after one untimed lead-in of
+    the first (the host gets ahead of the GPU before the first timed step), each step timed between
+    the CUDA events around it, one synchronization at the end. Once the host runs ahead this is the
+    step's GPU time, launch gaps included. The times by mode, in order."""
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(order) + 1)]
+    run(order[0])
+    marks[0].record()
+    for mode, mark in zip(order, marks[1:], strict=True):
+        run(mode)
+        mark.record()
+    marks[-1].synchronize()
+    times: dict[K, list[float]] = {mode: [] for mode in order}
+    for mode, start, end in zip(order, marks, marks[1:], strict=False):
+        times[mode].append(start.elapsed_time(end))
+    return times
 
 
 def graphed(fn: Callable[[], object], repeats: int = 1) -> Callable[[], None]:
