@@ -17,6 +17,7 @@ from torch import nn
 
 from ...host import class_named, qualified_name
 from ...models.deferral import Fusion
+from .host import SglangHost
 
 TRANSFORMER = "sglang.multimodal_gen.runtime.models.dits.flux_2.Flux2Transformer2DModel"
 
@@ -34,7 +35,7 @@ class FusedHandle:
     forward passes the model through)."""
 
     model: nn.Module
-    host: Any
+    host: SglangHost
     fusion: Fusion
     active: bool = True
 
