@@ -1,8 +1,8 @@
 """Build hooks. The package is pure Python and its kernels are built on first use (JIT), unless the
 wheel is built with FLUX2_FUSED_BUNDLE_KERNELS=1: then every kernel is compiled into the wheel
 (`flux2_fused/ops/prebuilt/`, see `flux2_fused/ops/bundle.py`) and the wheel is tagged for the
-platform those modules need. Build it from an environment that has the package's dependencies and a
-CUDA toolkit:
+platform those modules are linked for (manylinux_2_28). Build it from an environment that has the
+package's dependencies, a CUDA toolkit and zig's linker (`pip install ziglang`):
 
     FLUX2_FUSED_BUNDLE_KERNELS=1 pip wheel --no-deps --no-build-isolation -w dist .
 """
@@ -15,10 +15,8 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 BUNDLE = os.environ.get("FLUX2_FUSED_BUNDLE_KERNELS") == "1"
-# The modules link the CUDA runtime statically, which binds glibc's pthread and dl symbols at the
-# version of the glibc that builds them: 2.34 or newer for a build on glibc 2.34+. A build inside a
-# manylinux_2_28 image would earn that tag instead.
-PLATFORM = os.environ.get("FLUX2_FUSED_WHEEL_PLATFORM", "manylinux_2_34_x86_64")
+if BUNDLE:
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "python"))
 
 
 class BuildPyWithKernels(build_py):
@@ -27,7 +25,6 @@ class BuildPyWithKernels(build_py):
     def run(self) -> None:
         super().run()
         if BUNDLE:
-            sys.path.insert(0, str(Path(__file__).resolve().parent / "python"))
             from flux2_fused.ops.bundle import build_bundle
 
             build_bundle(Path(self.build_lib) / "flux2_fused" / "ops" / "prebuilt")
@@ -50,6 +47,8 @@ if BUNDLE:
         version (they talk to Python only through tvm-ffi's C ABI)."""
 
         def get_tag(self) -> tuple[str, str, str]:
+            from flux2_fused.ops.bundle import PLATFORM
+
             return "py3", "none", PLATFORM
 
     cmdclass["bdist_wheel"] = PlatformWheel

@@ -162,7 +162,7 @@ def modules(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 
 
 def test_the_wheel_is_a_platform_wheel_under_20_mb(wheel: Path, modules: dict[str, Path]) -> None:
-    assert wheel.name.endswith("-py3-none-manylinux_2_34_x86_64.whl")
+    assert wheel.name.endswith(f"-py3-none-{bundle.PLATFORM}.whl")
     assert wheel.stat().st_size <= 20 * 2**20
     manifest = json.loads(modules[jit.BUNDLE_MANIFEST].read_text())
     assert set(manifest["modules"]) == {op.name for op in OPS}
@@ -182,23 +182,38 @@ def _versions(text: str, prefix: str) -> list[tuple[int, ...]]:
     return [tuple(map(int, v.split("."))) for v in re.findall(rf"\b{prefix}_([0-9.]+[0-9])\b", text)]
 
 
+# What manylinux_2_28 (auditwheel's policy) lets a module need: these libraries (and libtvm_ffi, which
+# tvm-ffi loads before any module), and symbol versions up to these.
+MANYLINUX_2_28_LIBRARIES = {
+    "libc.so.6",
+    "libdl.so.2",
+    "libgcc_s.so.1",
+    "libm.so.6",
+    "libpthread.so.0",
+    "librt.so.1",
+    "libstdc++.so.6",
+    "ld-linux-x86-64.so.2",
+}
+MANYLINUX_2_28_VERSIONS = {"GLIBC": (2, 28), "GLIBCXX": (3, 4, 24), "CXXABI": (1, 3, 11), "GCC": (7, 0, 0)}
+
+
 @pytest.mark.parametrize("op", [op.name for op in OPS])
 def test_each_module_is_self_contained(op: str, modules: dict[str, Path]) -> None:
-    """No CUDA runtime or torch to link against (the runtime is static), glibc and libstdc++ no newer
-    than manylinux_2_34 allows, machine code for every wheel architecture and compute_120 PTX."""
+    """No CUDA runtime or torch to link against (the runtime is static), libraries and symbol versions
+    within manylinux_2_28, nothing exported but its tvm-ffi functions, machine code for every wheel
+    architecture and compute_120 PTX."""
     library = modules[f"flux2_fused_{op}.so"]
     needed = subprocess.run([_tool("readelf"), "-d", str(library)], capture_output=True, text=True).stdout
     libraries = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", needed))
-    assert libraries <= {
-        "libtvm_ffi.so",
-        "libstdc++.so.6",
-        "libgcc_s.so.1",
-        "libc.so.6",
-        "ld-linux-x86-64.so.2",
-    }
+    assert libraries <= MANYLINUX_2_28_LIBRARIES | {"libtvm_ffi.so"}
     symbols = subprocess.run([_tool("objdump"), "-T", str(library)], capture_output=True, text=True).stdout
-    assert max(_versions(symbols, "GLIBC")) <= (2, 34)
-    assert max(_versions(symbols, "GLIBCXX"), default=(3, 4)) <= (3, 4, 29)
+    for prefix, newest in MANYLINUX_2_28_VERSIONS.items():
+        too_new = [line for line in symbols.splitlines() if max(_versions(line, prefix), default=()) > newest]
+        assert not too_new, f"{prefix} newer than manylinux_2_28 allows: {too_new}"
+    exported = subprocess.run(
+        [_tool("nm"), "-D", "--defined-only", str(library)], capture_output=True, text=True
+    ).stdout.split()[2::3]
+    assert exported == [f"__tvm_ffi_{op}"]
     assert bundle.fatbin_targets(library) == WHEEL_ARCHS
 
 
