@@ -399,6 +399,19 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
         ),
         (["step", "--configs"], "argument --configs: expected at least one argument"),
         (
+            ["step", "--sizes", "1024"],
+            "argument --sizes: '1024' is not WIDTHxHEIGHT in pixels, e.g. 1360x768",
+        ),
+        (
+            ["step", "--sizes", "1024x1000"],
+            "argument --sizes: 1024x1000: 1000 is not a positive multiple of 16 (FLUX.2 has one latent "
+            "token per 16x16 pixels)",
+        ),
+        (
+            ["step", "--sizes", "512x512", "--img-tokens", "64"],
+            "argument --img-tokens: not allowed with argument --sizes",
+        ),
+        (
             ["step", "--host", "comfy"],
             "argument --host: invalid choice: 'comfy' (choose from package, diffusers)",
         ),
@@ -434,6 +447,9 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
         "unknown-dtype",
         "step-config",
         "step-no-configs",
+        "step-size-form",
+        "step-size-multiple",
+        "step-sizes-and-tokens",
         "step-host",
         "pipeline-config",
         "kernel-op",
@@ -693,8 +709,16 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         (
             ["step", "--host", "diffusers", "--compile", "--lora", "4"],
             None,
-            "--compile on --host diffusers takes --quantize, not --lora or --offload",
+            "--compile and --vs-compile on --host diffusers take --quantize, not --lora or --offload",
         ),
+        (
+            ["step", "--host", "diffusers", "--vs-compile", "--offload", "group"],
+            None,
+            "--compile and --vs-compile on --host diffusers take --quantize, not --lora or --offload",
+        ),
+        (["step", "--compile", "--vs-compile"], None, "--compile compiles both modes, --vs-compile adds"),
+        (["step", "--batch", "1", "0"], None, "--batch must be at least 1, got 0"),
+        (["step", "--plot", "scan.svg"], None, "--plot scan.svg: the file name must end in .png"),
         (["step", "--steps", "0"], None, "--steps must be at least 1, got 0"),
         (["step", "--host", "diffusers"], "no diffusers", "--host diffusers: diffusers is not installed"),
         (
@@ -748,6 +772,10 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         "quantize-without-diffusers-host",
         "lora-rank",
         "compile-diffusers-lora",
+        "vs-compile-diffusers-offload",
+        "compile-and-vs-compile",
+        "step-batches",
+        "step-plot-format",
         "steps",
         "no-diffusers",
         "diffusers-too-new",

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 
+from flux2_fused.bench import plot
 from flux2_fused.bench.denoise import site_of
 from flux2_fused.bench.report import (
     KERNEL_CLASSES,
@@ -23,7 +25,8 @@ from flux2_fused.bench.report import (
     format_step_table,
     format_verify,
 )
-from flux2_fused.bench.step import FUSED_KERNELS, _pair_order, breakdown_of, kernel_class
+from flux2_fused.bench.step import FUSED_KERNELS, _pair_order, breakdown_of, busy_pct, kernel_class, shapes
+from flux2_fused.cli import build_parser
 
 # Kernel names in the form torch.profiler reports them on Hopper (cuBLAS, cuBLASLt, cuDNN, flash,
 # memory-efficient attention, aten, Inductor and this package's kernels), with the class of each.
@@ -145,22 +148,38 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
         "klein-4b", 1, 2, 4096, 512, timing, timing, 1256, 1052, 41, eager, fused, "a" * 64, "a" * 64, True
     )
     on_diffusers = dataclasses.replace(step, host="diffusers", lora_rank=16, offload="model")
-    table = format_step_table([step, on_diffusers], "NVIDIA H200", "2.11.0")
+    scanned = dataclasses.replace(
+        step,
+        batch=4,
+        img_tokens=4080,
+        width=1360,
+        height=768,
+        busy_pct={"eager": 96.84, "fused": 99.12, "compiled": 98.5},
+        compiled_ms=11.0,
+        compiled_sha256="d" * 64,
+    )
+    table = format_step_table([step, on_diffusers, scanned], "NVIDIA H200", "2.11.0")
     timings, breakdown = table.split("\n\n")
     assert "eager = diffusers' own forward, fused = enable(model)" in timings
-    assert _table_widths(timings) == {15}
-    assert "| klein-4b | package | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% |" in timings
+    assert _table_widths(timings) == {17}
+    assert "| klein-4b | package | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% | - | - |" in timings
     assert "| klein-4b | diffusers (LoRA r16, model offload) | 1 | 4096+512 | synchronized |" in timings
-    assert _table_widths(breakdown) == {11}
     assert (
-        "| klein-4b | package | eager | 1256 | 6.50 (500) | 2.25 (50) | 0.00 (0) | 0.00 (0) | 1.75 (706) "
-        "| 10.50 |" in breakdown
+        "| klein-4b | package | 4 | 1360x768 (4080+512) | pipelined | 11.00 | 10.00 | +10.0% "
+        "| 11.00 (+10.0%) | eager 96.8 / fused 99.1 / compiled 98.5 |" in timings
+    )
+    assert "| 1360x768 (4080+512) | synchronized | 11.00 | 10.00 | +10.0% | - | - |" in timings
+    assert _table_widths(breakdown) == {13}
+    assert (
+        "| klein-4b | package | 1 | 4096+512 | eager | 1256 | 6.50 (500) | 2.25 (50) | 0.00 (0) | 0.00 (0) "
+        "| 1.75 (706) | 10.50 |" in breakdown
     )
     assert (
-        "| klein-4b | package | fused | 1052 | 6.50 (500) | 2.25 (50) | 0.50 (41) | 0.00 (0) | 0.75 (461) "
-        "| 10.00 |" in breakdown
+        "| klein-4b | package | 1 | 4096+512 | fused | 1052 | 6.50 (500) | 2.25 (50) | 0.50 (41) | 0.00 (0) "
+        "| 0.75 (461) | 10.00 |" in breakdown
     )
-    assert "| klein-4b | diffusers (LoRA r16, model offload) | fused | 1052 |" in breakdown
+    assert "| klein-4b | diffusers (LoRA r16, model offload) | 1 | 4096+512 | fused | 1052 |" in breakdown
+    assert "| klein-4b | package | 4 | 1360x768 (4080+512) | fused | 1052 |" in breakdown
     assert "diffusers' own forward" not in format_step_table([step], "NVIDIA H200", "2.11.0")
     calls = PipelineResult(
         "klein-4b", 1024, 1024, 8, 4.0, 512, 2, "magcache", 500, "0.42.1", timing, "b" * 64, "c" * 64, False
@@ -198,3 +217,87 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
         "2.11",
     )
     assert _table_widths(table) == {7} and table.endswith("1 of 1 FAILED") and "| cache, sm 9.0 |" in table
+
+
+@pytest.mark.parametrize(
+    ("intervals", "expected"),
+    [
+        ([(0.0, 10.0)], 100.0),
+        ([(0.0, 4.0), (6.0, 10.0)], 80.0),  # a 2 us gap in 10
+        ([(6.0, 10.0), (0.0, 4.0)], 80.0),  # in any order
+        ([(0.0, 6.0), (2.0, 4.0), (5.0, 10.0)], 100.0),  # nested and overlapping (two streams)
+        ([(0.0, 1.0), (9.0, 10.0), (0.5, 2.0)], 30.0),
+        ([(3.0, 3.0)], 100.0),  # one instant: nothing to wait in
+        ([], 0.0),
+    ],
+)
+def test_busy_pct_is_the_union_of_intervals_over_their_span(
+    intervals: list[tuple[float, float]], expected: float
+) -> None:
+    assert busy_pct(intervals) == pytest.approx(expected)
+
+
+def test_the_runs_of_the_size_options() -> None:
+    """--sizes lays each size's tokens out as its rows, --img-tokens a square, neither 1024x1024."""
+    parser = build_parser()[1]["step"]
+    assert shapes(parser.parse_args(["--sizes", "512x512", "1360x768"])) == [
+        (1024, (512, 512)),
+        (4080, (1360, 768)),
+    ]
+    assert shapes(parser.parse_args(["--img-tokens", "1000"])) == [(1000, None)]
+    assert shapes(parser.parse_args([])) == [(4096, (1024, 1024))]
+    assert parser.parse_args(["--batch", "1", "4"]).batch == [1, 4]
+
+
+def test_the_size_plot_draws_every_config(tmp_path: Path) -> None:
+    """`step --plot`: a PNG, a panel a config, drawn from results (made up here; a GPU makes them)."""
+    pytest.importorskip("matplotlib")
+    timing = Timing.of({False: [10.0, 12.0], True: [9.0, 11.0]})
+    empty = Breakdown(dict.fromkeys(KERNEL_CLASSES, 0.0), dict.fromkeys(KERNEL_CLASSES, 0))
+    results = [
+        StepResult(
+            config,
+            batch,
+            2,
+            tokens,
+            512,
+            timing,
+            timing,
+            1,
+            1,
+            0,
+            empty,
+            empty,
+            "a" * 64,
+            "a" * 64,
+            True,
+            width=side,
+            height=side,
+            compiled_ms=10.5,
+        )
+        for config in ("klein-4b", "dev")
+        for batch in (1, 4)
+        for side, tokens in ((512, 1024), (1024, 4096))
+    ]
+    path = tmp_path / "scan.png"
+    plot.save_step_plot(results, path)
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.gpu
+def test_a_scan_row_on_the_gpu() -> None:
+    """Two sizes (one not square) at batch 2 of the package's klein-4B, each one row: bit-exact, the
+    size kept, every mode's busy % measured, the compiled eager forward timed beside them."""
+    from flux2_fused.bench.step import Subject, bench_size
+
+    subject = Subject("klein-4b", "package", None, "none", "none")
+    rows = [
+        bench_size(subject, 2, 2, (w // 16) * (h // 16), 32, (w, h), vs_compile=compile_too)
+        for (w, h), compile_too in (((256, 256), False), ((512, 256), True))
+    ]
+    assert all(r.bit_exact and r.fused_kernel_launches == 96 for r in rows)
+    assert [(r.width, r.height, r.img_tokens) for r in rows] == [(256, 256, 256), (512, 256, 512)]
+    assert set(rows[0].busy_pct) == {"eager", "fused"} and rows[0].compiled_ms is None
+    assert set(rows[1].busy_pct) == {"eager", "fused", "compiled"} and rows[1].compiled_ms > 0
+    assert all(0 < pct <= 100 for r in rows for pct in r.busy_pct.values())
+    assert rows[1].compiled_sha256 is not None

@@ -47,10 +47,16 @@ def random_transformer(
 
 
 def step_inputs(
-    name: str, batch: int, img_tokens: int, txt_tokens: int, dtype: torch.dtype, seed: int = 1
+    name: str,
+    batch: int,
+    img_tokens: int,
+    txt_tokens: int,
+    dtype: torch.dtype,
+    seed: int = 1,
+    width_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Random latents, text embeddings and pooled text embedding from `seed`, FLUX.1's position ids,
-    a timestep and (dev) the guidance, on the GPU."""
+    """Random latents, text embeddings and pooled text embedding from `seed`, FLUX.1's position ids
+    of an image `width_tokens` wide (default: square), a timestep and (dev) the guidance, on the GPU."""
     config = flux1_config(name)
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -62,7 +68,7 @@ def step_inputs(
         "encoder_hidden_states": randn(batch, txt_tokens, config.get("joint_attention_dim", 4096)),
         "pooled_projections": randn(batch, config.get("pooled_projection_dim", 768)),
         "timestep": torch.full((batch,), 0.5, device="cuda"),
-        "img_ids": image_ids(img_tokens, device="cuda"),
+        "img_ids": image_ids(img_tokens, width_tokens, device="cuda"),
         "txt_ids": text_ids(txt_tokens, device="cuda"),
         "guidance": torch.full((batch,), 3.5, device="cuda") if config.get("guidance_embeds") else None,
     }

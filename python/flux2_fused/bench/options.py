@@ -91,15 +91,30 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps", type=int, metavar="N", help="timed steps per mode (default 7, with --compile 100)"
     )
-    parser.add_argument("--batch", type=int, default=1, metavar="N", help="batch size (default 1)")
     parser.add_argument(
-        "--img-tokens", type=int, default=4096, metavar="N", help="image tokens (default 4096 = 1024x1024)"
+        "--batch", type=int, nargs="+", default=[1], metavar="N", help="batch sizes, one run each (default 1)"
     )
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument(
+        "--sizes",
+        type=image_size,
+        nargs="+",
+        metavar="WxH",
+        help=f"image sizes in pixels, multiples of {PX_PER_TOKEN}, one run each, e.g. 512x512 1360x768 "
+        "(default 1024x1024)",
+    )
+    size.add_argument("--img-tokens", type=int, metavar="N", help="image tokens instead of a size")
     parser.add_argument("--txt-tokens", type=int, default=512, metavar="N", help="text tokens (default 512)")
     parser.add_argument(
         "--compile",
         action="store_true",
         help="both modes under torch.compile(model) (not bit-exact: Inductor fuses the chains itself)",
+    )
+    parser.add_argument(
+        "--vs-compile",
+        action="store_true",
+        help="also torch.compile(model) of the eager forward, pipelined in turn with eager and fused, "
+        "its time and output hash beside theirs",
     )
     parser.add_argument(
         "--host",
@@ -129,6 +144,12 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         "activations and weights scaled per row or per tensor (sm_89 or newer), or int8 (default: none)",
     )
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the results to FILE")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="draw pipelined step time against size (needs matplotlib)",
+    )
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
@@ -189,6 +210,19 @@ def require_at_least_one(counts: Mapping[str, int | None]) -> None:
     for option, value in counts.items():
         if value is not None and value < 1:
             raise BadValue(f"{option} must be at least 1, got {value}")
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """argparse type of `WxH`: (width, height) in pixels, each a positive multiple of PX_PER_TOKEN."""
+    width, _, height = text.lower().partition("x")
+    if not (width.isdigit() and height.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not WIDTHxHEIGHT in pixels, e.g. 1360x768")
+    try:
+        check_side(f"{text}:", int(width))
+        check_side(f"{text}:", int(height))
+    except BadValue as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return int(width), int(height)
 
 
 def check_side(option: str, value: int) -> None:

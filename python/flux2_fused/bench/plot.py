@@ -1,4 +1,5 @@
-"""`flux2-fused bench --plot FILE.png`: step times and per-site kernel time, eager vs fused.
+"""`flux2-fused bench --plot FILE.png`: step times and per-site kernel time, eager vs fused; and
+`flux2-fused step --plot FILE.png`: the pipelined step time against image size, a panel a config.
 
 matplotlib is an optional dependency (`pip install 'flux2-fused[plot]'`), imported only when a plot
 is asked for, and drawn through a bare `Figure` on the Agg canvas: no pyplot, no display, no global
@@ -8,12 +9,14 @@ backend switch that could disturb a host program.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import CommandError
-from .report import MODES, SITES, BenchReport, speedup_text
+from .report import MODES, SITES, BenchReport, StepResult, speedup_text
 
-COLORS = {"eager": "tab:gray", "fused": "tab:blue"}
+COLORS = {"eager": "tab:gray", "fused": "tab:blue", "compiled": "tab:orange"}
+BATCH_STYLES = ("o-", "s--", "^:", "d-.")
 
 
 def require_matplotlib() -> None:
@@ -55,3 +58,33 @@ def save_plot(report: BenchReport, path: Path) -> None:
         f"{report.gpu or 'CPU'}: fused {speedup_text(report.speedup_pct)}, {exact}"
     )
     fig.savefig(path, dpi=110, format="png")  # the format the name was checked to end in
+
+
+def save_step_plot(results: Sequence[StepResult], path: Path) -> None:
+    """A panel a config: the pipelined step time (ms, log scale) of each mode against the image's
+    megapixels a sample, a line style a batch size; what the size scan's table holds, at a glance."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    configs = list(dict.fromkeys(r.config for r in results))
+    fig = Figure(figsize=(5.5 * len(configs), 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(configs), squeeze=False)[0]
+    for ax, config in zip(axes, configs, strict=True):
+        rows = [r for r in results if r.config == config]
+        for batch, style in zip(dict.fromkeys(r.batch for r in rows), BATCH_STYLES, strict=False):
+            line = sorted((r for r in rows if r.batch == batch), key=lambda r: r.img_tokens)
+            megapixels = [r.img_tokens * 256 / 1e6 for r in line]
+            series = {
+                "eager": [r.pipelined.eager_ms for r in line],
+                "fused": [r.pipelined.fused_ms for r in line],
+            }
+            if all(r.compiled_ms is not None for r in line):
+                series["compiled"] = [r.compiled_ms for r in line]
+            for mode, ms in series.items():
+                ax.plot(megapixels, ms, style, color=COLORS[mode], label=f"{mode}, batch {batch}")
+        ax.set(xlabel="megapixels a sample", ylabel="ms a step (pipelined)", title=config, yscale="log")
+        ax.legend(fontsize="small")
+    fig.suptitle(f"step time against image size ({results[0].host_label}, bf16)")
+    fig.savefig(path, dpi=110, format="png")

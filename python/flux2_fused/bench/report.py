@@ -12,7 +12,7 @@ import json
 import statistics
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BadValue
@@ -296,6 +296,14 @@ class StepResult:
       enable_model_cpu_offload) or "group" (block-level group offloading on a side stream)
     - quantization: the diffusers host's torchao dynamic quantization of the blocks' linears: "none",
       "float8-row", "float8-tensor" or "int8"
+    - width: image width in pixels (img_tokens laid out as that image's rows), null when given as tokens
+    - height: image height in pixels, null when given as tokens
+    - busy_pct: by mode ("eager", "fused", and "compiled" with --vs-compile), the GPU's busy share (%)
+      of a few pipelined steps under torch.profiler: the union of its kernels, copies and memsets over
+      the span from the first start to the last end; below 100 the GPU waited for the host
+    - compiled_ms: with --vs-compile, the median pipelined step of torch.compile(model) running the
+      eager forward, timed in turn with the eager and fused steps of `pipelined`; else null
+    - compiled_sha256: SHA-256 of that compiled step's output (Inductor's bits, not eager's), or null
     """
 
     config: str
@@ -318,6 +326,17 @@ class StepResult:
     lora_rank: int | None = None
     offload: str = "none"
     quantization: str = "none"
+    width: int | None = None
+    height: int | None = None
+    busy_pct: dict[str, float] = field(default_factory=dict)
+    compiled_ms: float | None = None
+    compiled_sha256: str | None = None
+
+    @property
+    def size_label(self) -> str:
+        """The image size and token counts, as the tables name a row's shape."""
+        tokens = f"{self.img_tokens}+{self.txt_tokens}"
+        return tokens if self.width is None else f"{self.width}x{self.height} ({tokens})"
 
     @property
     def host_label(self) -> str:
@@ -361,11 +380,13 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
         "config",
         "host",
         "B",
-        "tokens (img+txt)",
+        "size (img+txt tokens)",
         "timing",
         "eager ms",
         "fused ms",
         "speedup",
+        "compiled ms (fused vs it)",
+        "GPU busy %",
         "paired gain ms (95% CI)",
         "fused won",
         "kernels/step eager -> fused",
@@ -377,16 +398,23 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
     for r in results:
         sha = r.fused_sha256[:16] if r.bit_exact else f"{r.eager_sha256[:12]} / {r.fused_sha256[:12]}"
         for label, t in (("synchronized", r.synchronized), ("pipelined", r.pipelined)):
+            pipelined = label == "pipelined"
+            compiled = "-"
+            if pipelined and r.compiled_ms is not None:
+                compiled = f"{r.compiled_ms:.2f} ({speedup_text(100 * (r.compiled_ms / t.fused_ms - 1))})"
+            busy = " / ".join(f"{m} {pct:.1f}" for m, pct in r.busy_pct.items()) if pipelined else "-"
             rows.append(
                 [
                     r.config,
                     r.host_label,
                     r.batch,
-                    f"{r.img_tokens}+{r.txt_tokens}",
+                    r.size_label,
                     label,
                     f"{t.eager_ms:.2f}",
                     f"{t.fused_ms:.2f}",
                     speedup_text(t.speedup_pct),
+                    compiled,
+                    busy or "-",
                     f"{t.paired_diff_ms:+.2f} +- {t.paired_ci95_ms:.2f}",
                     f"{t.fused_won}/{r.steps}",
                     f"{r.eager_kernels} -> {r.fused_kernels}",
@@ -401,11 +429,12 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
 def format_breakdown_table(results: Sequence[StepResult]) -> str:
     """Where each mode's step spends its kernel time: GEMM and attention, which the fused path leaves
     alone, against the fused kernels and the other eager kernels they replace."""
-    headers = ["config", "host", "mode", "kernels", *_breakdown_headers()]
+    headers = ["config", "host", "B", "size", "mode", "kernels", *_breakdown_headers()]
     rows = []
     for r in results:
         for mode, b in (("eager", r.eager_profile), ("fused", r.fused_profile)):
-            rows.append([r.config, r.host_label, mode, b.total_launches, *_breakdown_cells(b)])
+            shape = [r.batch, r.size_label]
+            rows.append([r.config, r.host_label, *shape, mode, b.total_launches, *_breakdown_cells(b)])
     note = "(kernel time of one profiled step by kernel class, torch.profiler; the total is their sum)"
     return f"{markdown_table(headers, rows)}\n{note}"
 

@@ -24,7 +24,7 @@ import socket
 import statistics
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from torch import nn
 from ..models.flux2 import Flux2Config
 from ..ops.bits import bits_equal
 from . import hosts
-from .timing import pipelined_ms
+from .timing import pipelined_ms, rotated_order
 
 SERVER_ARGS = {
     "attention_backend": "torch_sdpa",
@@ -211,11 +211,6 @@ def runners(reference: nn.Module, inputs: dict) -> dict[str, Callable[[], torch.
     return dict(
         zip(PATHS, (on_sglang(False), on_sglang(True), on_diffusers(False), on_diffusers(True)), strict=True)
     )
-
-
-def rotated_order(names: Sequence[str], rounds: int) -> list[str]:
-    """Every name once a round, the order rotated by one each round, so drift hits all alike."""
-    return [names[(r + i) % len(names)] for r in range(rounds) for i in range(len(names))]
 
 
 def compare(reference: nn.Module, inputs: dict, rounds: int) -> dict[str, Any]:

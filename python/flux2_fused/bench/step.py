@@ -1,8 +1,12 @@
-"""Whole-transformer benchmark: one denoise step (one forward) at 1024x1024, eager vs fused.
+"""Whole-transformer benchmark: one denoise step (one forward), eager vs fused, at each size and batch.
 
-    flux2-fused step [--configs dev klein-4b] [--steps N] [--compile] [--json FILE]
+    flux2-fused step [--configs dev klein-4b] [--sizes WxH ...] [--batch N ...] [--steps N]
+                     [--compile | --vs-compile] [--json FILE] [--plot FILE.png]
                      [--host package|diffusers] [--lora R] [--offload none|model|group]
                      [--quantize none|float8-row|float8-tensor|int8]
+
+A scan: each config's model is built once, then every batch size at every image size (default one
+batch of 1024x1024; `--img-tokens N` for a token count instead of a size) is one row.
 
 Random weights built on the GPU; the same model runs with `fused = False` and `fused = True` on the
 same inputs, interleaved step by step, after a warm-up step of each (the fused one self-checks).
@@ -25,6 +29,12 @@ the fused path is bit-exact). The same profiled step of each mode is split by ke
 attention, fused, other; `kernel_class`) into kernel time and launches, printed as a second table:
 it shows how much of a step the fused ops can touch at all, GEMM and attention being the rest.
 
+Each mode's GPU busy % comes from a few pipelined steps under torch.profiler (`pipelined_busy_pct`):
+the share of their span the GPU spent in a kernel, copy or memset; below 100 it waited for the host.
+With --vs-compile a third mode, `torch.compile(model)` running the eager forward, takes turns with
+eager and fused in the pipelined timing: the three in one run, the compiled output's hash reported.
+--plot draws the pipelined step time of each mode against size, a panel a config.
+
 With --compile both modes run through `torch.compile(model)` (one compiled graph per mode; on the
 diffusers host one compiled module whose forward the switch changes): the compiled tier, where the
 fused sites are flux2_fused operators and the fast-path-off graph uses Inductor's own fusion of the
@@ -41,16 +51,19 @@ import functools
 import gc
 import hashlib
 import re
+import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
+from typing import Any
 
 import torch
+from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from ..errors import BadValue
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
-from . import flux1, hosts
-from .options import require_at_least_one
+from . import flux1, hosts, plot
+from .options import PX_PER_TOKEN, require_at_least_one
 from .report import (
     KERNEL_CLASSES,
     Breakdown,
@@ -60,7 +73,7 @@ from .report import (
     format_step_table,
     write_json,
 )
-from .timing import event_ms, pipelined_ms
+from .timing import event_ms, pipelined_ms, rotated_order
 
 # This package's CUDA kernels, by a part of their names the profiler shows; a new fused op adds its
 # kernel here, and both benchmarks (this one and bench/denoise.py) then count it as fused.
@@ -109,10 +122,17 @@ def kernel_breakdown(fn: Callable[[], object]) -> Breakdown:
 
 
 def step_inputs(
-    config: Flux2Config, batch: int, img_tokens: int, txt_tokens: int, dtype: torch.dtype, seed: int = 1
+    config: Flux2Config,
+    batch: int,
+    img_tokens: int,
+    txt_tokens: int,
+    dtype: torch.dtype,
+    seed: int = 1,
+    width_tokens: int | None = None,
 ) -> dict:
-    """Random latents and text embeddings from `seed`, with FLUX.2's position ids, on the GPU. Seeded,
-    so an output's SHA-256 identifies the computation across runs and code versions."""
+    """Random latents and text embeddings from `seed`, with FLUX.2's position ids of an image
+    `width_tokens` wide (default: square), on the GPU. Seeded, so an output's SHA-256 identifies the
+    computation across runs and code versions."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     return {
         "hidden_states": torch.randn(
@@ -122,7 +142,7 @@ def step_inputs(
             batch, txt_tokens, config.joint_attention_dim, device="cuda", dtype=dtype, generator=gen
         ),
         "timestep": torch.full((batch,), 0.5, device="cuda"),
-        "img_ids": image_ids(img_tokens, device="cuda"),
+        "img_ids": image_ids(img_tokens, width_tokens, device="cuda"),
         "txt_ids": text_ids(txt_tokens, device="cuda"),
         "guidance": torch.full((batch,), 4.0, device="cuda") if config.guidance_embeds else None,
     }
@@ -153,87 +173,147 @@ def time_pipelined(run: Callable[[bool], object], pairs: int) -> dict[bool, list
     return pipelined_ms(run, _pair_order(pairs))
 
 
-def _package_run(config: Flux2Config, inputs: dict, compiled: bool) -> Callable[[bool], torch.Tensor]:
-    """One step of the package's model in either mode (`model.fused`, free to set), compiled or not."""
-    model = Flux2Transformer.random(config, seed=0, device="cuda", dtype=torch.bfloat16)
-    forward = torch.compile(model) if compiled else model
-
-    def run(fused: bool) -> torch.Tensor:
-        model.fused = fused
-        return forward(**inputs)
-
-    return run
-
-
-def _diffusers_run(
-    config: Flux2Config | str,
-    inputs: dict,
-    lora_rank: int | None,
-    offload: str,
-    quantization: str = "none",
-    compiled: bool = False,
-) -> tuple[Callable[[bool], torch.Tensor], Callable[[bool], None]]:
-    """One step of diffusers' model with the same random weights, its own forward or enable()'s, and
-    the switch between the two (for time_synchronized to call outside the timing); `config` a FLUX.1
-    size's name builds FLUX.1's transformer (`bench.flux1`). Compiled, the one
-    `torch.compile(model)` holds a graph for each mode (the switch changes the forward it traces)."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    if isinstance(config, str):  # a FLUX.1 size: diffusers' own transformer with its default init
-        model = hosts.set_up(
-            flux1.random_transformer(config, device, torch.bfloat16),
-            device,
-            lora_rank,
-            offload,
-            quantization,
-            flux1.LORA_TARGETS,
-        )
-    else:
-        model = hosts.diffusers_host(
-            config, device, torch.bfloat16, lora_rank, offload, quantization=quantization
-        )
-    switch = functools.partial(hosts.use_fused, model)
-    forward = torch.compile(model) if compiled else model
-
-    def run(fused: bool) -> torch.Tensor:
-        switch(fused)
-        return forward(**inputs, return_dict=False)[0]
-
-    return run, switch
+def busy_pct(intervals: Iterable[tuple[float, float]]) -> float:
+    """Percent of the span from the first (start, end) interval's start to the last end that at least
+    one interval covers: the GPU's busy share when the intervals are its kernels and copies."""
+    spans = sorted(intervals)
+    if not spans:
+        return 0.0
+    first, (start, end) = spans[0][0], spans[0]
+    covered = 0.0
+    for s, e in spans[1:]:
+        if s > end:
+            covered += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    covered += end - start
+    return 100.0 if end <= first else 100 * covered / (end - first)
 
 
-def bench_config(
-    name: str,
+def pipelined_busy_pct(step: Callable[[], object], steps: int = 5) -> float:
+    """GPU busy % of `steps` steps enqueued back to back (after one untimed lead-in, so the host is
+    ahead when the profile starts), from torch.profiler's record of every kernel, copy and memset:
+    below 100% the GPU waited for the host between them."""
+    step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return busy_pct((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == cuda)
+
+
+class Subject:
+    """The model the step benchmark times, built once for all its sizes and batches: the package's
+    model (eager = `fused = False`) or diffusers' with the same random weights (eager = its own
+    forward, fused = `enable(model)`; FLUX.1 sizes are diffusers' own transformer with its default
+    init, `bench.flux1`), quantized, with a LoRA and offloaded as asked."""
+
+    def __init__(self, name: str, host: str, lora_rank: int | None, offload: str, quantization: str) -> None:
+        device = torch.device("cuda", torch.cuda.current_device())
+        self.name = name
+        self.diffusers = flux1.is_flux1(name) or host == "diffusers"
+        if flux1.is_flux1(name):
+            transformer = flux1.random_transformer(name, device, torch.bfloat16)
+            self.model = hosts.set_up(
+                transformer, device, lora_rank, offload, quantization, flux1.LORA_TARGETS
+            )
+        elif self.diffusers:
+            self.model = hosts.diffusers_host(
+                Flux2Config.preset(name),
+                device,
+                torch.bfloat16,
+                lora_rank,
+                offload,
+                quantization=quantization,
+            )
+        else:
+            self.model = Flux2Transformer.random(
+                Flux2Config.preset(name), seed=0, device=device, dtype=torch.bfloat16
+            )
+
+    def switch(self, fused: bool) -> None:
+        """Set the mode: host work outside a step's timing (the diffusers host's enable()/disable())."""
+        if self.diffusers:
+            hosts.use_fused(self.model, fused)
+        else:
+            self.model.fused = fused
+
+    def inputs(self, batch: int, img_tokens: int, txt_tokens: int, width_tokens: int | None) -> dict:
+        if flux1.is_flux1(self.name):
+            return flux1.step_inputs(
+                self.name, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens
+            )
+        config = Flux2Config.preset(self.name)
+        return step_inputs(config, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens)
+
+    def runner(
+        self, inputs: dict, forward: Callable[..., Any] | None = None
+    ) -> Callable[[bool], torch.Tensor]:
+        """One step in either mode through `forward` (the model, or a torch.compile of it: on the
+        diffusers host one compiled module holds a graph for each mode, the switch changing the
+        forward it traces)."""
+        forward = forward or self.model
+
+        def run(fused: bool) -> torch.Tensor:
+            self.switch(fused)
+            if self.diffusers:
+                return forward(**inputs, return_dict=False)[0]
+            return forward(**inputs)
+
+        return run
+
+
+def compiled(model: nn.Module) -> Callable[..., Any]:
+    """torch.compile(model) for one shape: the compile caches cleared first and shapes static, so
+    each size of a scan gets its own graph (automatic dynamic shapes would trace a slower symbolic
+    one after the first change, and the recompile limit would send later sizes to eager)."""
+    torch._dynamo.reset()
+    return torch.compile(model, dynamic=False)
+
+
+MODES = ("eager", "fused", "compiled")
+
+
+def bench_size(
+    subject: Subject,
     steps: int,
     batch: int,
     img_tokens: int,
     txt_tokens: int,
-    compiled: bool = False,
-    host: str = "package",
-    lora_rank: int | None = None,
-    offload: str = "none",
-    quantization: str = "none",
+    size: tuple[int, int] | None = None,
+    compile_both: bool = False,
+    vs_compile: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> StepResult:
-    switch = None
-    if flux1.is_flux1(name):
-        inputs = flux1.step_inputs(name, batch, img_tokens, txt_tokens, torch.bfloat16)
-        run, switch = _diffusers_run(name, inputs, lora_rank, offload, quantization, compiled)
-    elif host == "diffusers":
-        config = Flux2Config.preset(name)
-        inputs = step_inputs(config, batch, img_tokens, txt_tokens, torch.bfloat16)
-        run, switch = _diffusers_run(config, inputs, lora_rank, offload, quantization, compiled)
-    else:
-        config = Flux2Config.preset(name)
-        inputs = step_inputs(config, batch, img_tokens, txt_tokens, torch.bfloat16)
-        run = _package_run(config, inputs, compiled)
+    """One (batch, size) of a subject: eager and fused interleaved (synchronized, then pipelined:
+    with `vs_compile` in turn with torch.compile of the eager forward), their kernel breakdowns and
+    each mode's GPU busy %; `size` (width, height) pixels gives `img_tokens` their layout."""
+    width_tokens = None if size is None else size[0] // PX_PER_TOKEN
+    inputs = subject.inputs(batch, img_tokens, txt_tokens, width_tokens)
+    run = subject.runner(inputs, compiled(subject.model) if compile_both else None)
+    runs: dict[str, Callable[[], torch.Tensor]] = {
+        "eager": functools.partial(run, False),
+        "fused": functools.partial(run, True),
+    }
+    if vs_compile:
+        runs["compiled"] = functools.partial(subject.runner(inputs, compiled(subject.model)), False)
 
     with torch.inference_mode():
-        outputs = {mode: run(mode) for mode in (False, True)}  # warm-up; the fused one self-checks
-        synchronized = Timing.of(time_synchronized(run, steps, switch))
-        pipelined = Timing.of(time_pipelined(run, steps))
-        eager_profile = kernel_breakdown(lambda: run(False))
-        fused_profile = kernel_breakdown(lambda: run(True))
+        outputs = {mode: step() for mode, step in runs.items()}  # warm-up; the fused one self-checks
+        synchronized = Timing.of(time_synchronized(run, steps, subject.switch))
+        if vs_compile:
+            times = pipelined_ms(lambda mode: runs[mode](), rotated_order(list(runs), steps))
+            pipelined = Timing.of({False: times["eager"], True: times["fused"]})
+            compiled_ms = statistics.median(times["compiled"])
+        else:
+            pipelined, compiled_ms = Timing.of(time_pipelined(run, steps)), None
+        eager_profile = kernel_breakdown(runs["eager"])
+        fused_profile = kernel_breakdown(runs["fused"])
+        busy = {mode: pipelined_busy_pct(step) for mode, step in runs.items()}
     return StepResult(
-        config=name,
+        config=subject.name,
         batch=batch,
         steps=steps,
         img_tokens=img_tokens,
@@ -245,14 +325,16 @@ def bench_config(
         fused_kernel_launches=fused_profile.launches["fused"],
         eager_profile=eager_profile,
         fused_profile=fused_profile,
-        eager_sha256=tensor_sha256(outputs[False]),
-        fused_sha256=tensor_sha256(outputs[True]),
-        bit_exact=torch.equal(outputs[False], outputs[True]),
-        compiled=compiled,
-        host=host,
-        lora_rank=lora_rank,
-        offload=offload,
-        quantization=quantization,
+        eager_sha256=tensor_sha256(outputs["eager"]),
+        fused_sha256=tensor_sha256(outputs["fused"]),
+        bit_exact=torch.equal(outputs["eager"], outputs["fused"]),
+        compiled=compile_both,
+        width=None if size is None else size[0],
+        height=None if size is None else size[1],
+        busy_pct=busy,
+        compiled_ms=compiled_ms,
+        compiled_sha256=tensor_sha256(outputs["compiled"]) if vs_compile else None,
+        **(options or {}),
     )
 
 
@@ -260,15 +342,20 @@ def check(args: argparse.Namespace) -> None:
     """Refuse, before any work, options that do not go together or that this environment cannot run
     (BadValue: one line, exit status 2)."""
     check_output("--json", args.json)
+    check_output("--plot", args.plot, ".png")
+    if args.plot is not None:
+        plot.require_matplotlib()
     require_at_least_one(
         {
             "--steps": args.steps,
-            "--batch": args.batch,
+            "--batch": min(args.batch),
             "--img-tokens": args.img_tokens,
             "--txt-tokens": args.txt_tokens,
             "--lora": args.lora,
         }
     )
+    if args.compile and args.vs_compile:
+        raise BadValue("--compile compiles both modes, --vs-compile adds a compiled eager mode: pick one")
     if args.host == "package":
         flux1_configs = [name for name in args.configs if flux1.is_flux1(name)]
         if flux1_configs:
@@ -277,34 +364,57 @@ def check(args: argparse.Namespace) -> None:
         if args.lora is not None or args.offload != "none" or args.quantize != "none":
             raise BadValue("--lora, --offload and --quantize apply to --host diffusers")
         return
-    if args.compile and (args.lora is not None or args.offload != "none"):
-        raise BadValue("--compile on --host diffusers takes --quantize, not --lora or --offload")
+    if (args.compile or args.vs_compile) and (args.lora is not None or args.offload != "none"):
+        raise BadValue(
+            "--compile and --vs-compile on --host diffusers take --quantize, not --lora or --offload"
+        )
     hosts.check_diffusers_host("--host diffusers", args.lora, args.offload, args.quantize)
 
 
+def shapes(args: argparse.Namespace) -> list[tuple[int, tuple[int, int] | None]]:
+    """The (image tokens, (width, height) pixels or None) each run of the options takes: --sizes, or
+    --img-tokens (square), or 1024x1024."""
+    if args.img_tokens is not None:
+        return [(args.img_tokens, None)]
+    sizes = args.sizes or [(1024, 1024)]
+    return [((w // PX_PER_TOKEN) * (h // PX_PER_TOKEN), (w, h)) for w, h in sizes]
+
+
 def run(args: argparse.Namespace) -> int:
-    """Benchmark every config on the current CUDA GPU and print the table; 1 when a fused step's
-    output differs from eager's (not checked under --compile, where neither mode is bit-exact)."""
+    """Benchmark every config at every batch and size on the current CUDA GPU (each model built once)
+    and print the table; 1 when a fused step's output differs from eager's (not checked under
+    --compile, where neither mode is bit-exact)."""
     results = []
     steps = args.steps or (100 if args.compile else 7)
+    options = {
+        "host": args.host,
+        "lora_rank": args.lora,
+        "offload": args.offload,
+        "quantization": args.quantize,
+    }
     for name in args.configs:
-        results.append(
-            bench_config(
-                name,
-                steps,
-                args.batch,
-                args.img_tokens,
-                args.txt_tokens,
-                compiled=args.compile,
-                host=args.host,
-                lora_rank=args.lora,
-                offload=args.offload,
-                quantization=args.quantize,
-            )
-        )
+        subject = Subject(name, args.host, args.lora, args.offload, args.quantize)
+        for batch in args.batch:
+            for img_tokens, size in shapes(args):
+                result = bench_size(
+                    subject,
+                    steps,
+                    batch,
+                    img_tokens,
+                    args.txt_tokens,
+                    size,
+                    compile_both=args.compile,
+                    vs_compile=args.vs_compile,
+                    options=options,
+                )
+                results.append(result)
+                torch.cuda.empty_cache()
+        del subject
         gc.collect()  # drop the previous model (dev is 64 GB) before building the next
         torch.cuda.empty_cache()
     print(format_step_table(results, torch.cuda.get_device_name(), torch.__version__))
     if args.json:
         write_json([asdict(r) for r in results], args.json)
+    if args.plot:
+        plot.save_step_plot(results, args.plot)
     return 0 if args.compile or all(r.bit_exact for r in results) else 1

@@ -46,6 +46,11 @@ def interleaved_median_us(
     return [statistics.median(s) for s in samples]
 
 
+def rotated_order(names: Sequence[K], rounds: int) -> list[K]:
+    """Every name once a round, the order rotated by one each round, so drift hits all alike."""
+    return [names[(r + i) % len(names)] for r in range(rounds) for i in range(len(names))]
+
+
 def pipelined_ms(run: Callable[[K], object], order: Sequence[K]) -> dict[K, list[float]]:
     """Steps enqueued back to back, as a denoise loop enqueues them (diffusers' pipelines do not
     synchronize between steps): `run(mode)` for each mode of `order`, after one untimed lead-in of
