@@ -6,7 +6,8 @@ compute diffusers' arithmetic on the CPU, but are sglang's own classes:
 - a module is plain where it is one of the family's sglang classes (or a PyTorch norm, activation or
   dropout) and nothing hooks or wraps it;
 - its parallel Linears return `(output, bias)`; `linear` hands back the output, as sglang's blocks
-  read it (they drop the second item);
+  read it (they drop the second item), and multiplies a batched input as diffusers' Linear does
+  (see `linear`);
 - its q/k norms are sglang's `RMSNorm` (weight, `variance_epsilon`), which computes PyTorch's RMSNorm;
   `rms_norm` vouches for one without a variance-size override, so the fused prologue computes it with
   diffusers' arithmetic (sglang's own GPU paths for this step do not: see docs/sglang.md);
@@ -43,8 +44,17 @@ class SglangHost(ModuleHost):
         self.foreign_calls = foreign_calls
 
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        out = module(x)
-        return out[0] if isinstance(out, tuple) else out
+        """The module called on the rows of `x` as one matrix. diffusers' `nn.Linear` holds weights
+        that require grad (as a loaded diffusers model's do), and for those aten's matmul folds a
+        batched input into one matrix product, copying rows that are strided (the text or the image
+        rows of a joint attention output at batch > 1); sglang's weights do not require grad, so the
+        same call there runs a batched product on the strided rows, whose bits differ. A bias-free
+        projection on the folded rows is diffusers' product; so is a biased one on contiguous rows
+        (diffusers adds the bias in the product there too). The binding runs no biased projection on
+        strided rows (`models.flux2.sglang.runs_whole`)."""
+        out = module(x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
         if (

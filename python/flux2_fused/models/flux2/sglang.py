@@ -95,6 +95,9 @@ def runs_whole(model: nn.Module, host: SglangHost) -> bool:
     if not all(
         double_block_plain(host, block)
         and _attention_runs(block.attn, host, double_norms)
+        # Their inputs are strided rows of the joint output at batch > 1 (see SglangHost.linear).
+        and block.attn.to_out[0].bias is None
+        and block.attn.to_add_out.bias is None
         and feed_forward_plain(host, block.ff)
         and feed_forward_plain(host, block.ff_context)
         for block in model.transformer_blocks
