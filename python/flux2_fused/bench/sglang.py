@@ -24,7 +24,8 @@ import socket
 import statistics
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -111,18 +112,22 @@ def _importable(package: str) -> bool:
     return True
 
 
-def prepare_runtime(device: torch.device) -> None:
-    """sglang's runtime for one process on `device` (idempotent): stubs for missing packages (see
-    the module docstring), the one-rank group, the server arguments."""
+def _stub_missing(device: torch.device, packages: Sequence[str] = ()) -> None:
+    """Stubs for what sglang imports on this path but this environment cannot import (see the module
+    docstring): torchvision, sgl-kernel on CUDA, and `packages`."""
     import transformers.utils
 
     transformers.utils.is_torchvision_available()  # decided (and cached) before any stub exists
-    if not _importable("torchvision"):
-        _stub("torchvision")
-    if device.type == "cuda" and not _importable("sgl_kernel"):
-        _stub("sgl_kernel")
+    wanted = ("torchvision", *(("sgl_kernel",) if device.type == "cuda" else ()), *packages)
+    for package in wanted:
+        if not _importable(package):
+            _stub(package)
+
+
+def _one_rank_group() -> None:
+    """sglang's distributed state for one process: a one-rank group (gloo on the CPU, NCCL on CUDA)
+    on a free port, with the torchrun-style variables it reads, saved for `release_runtime`."""
     from sglang.multimodal_gen.runtime.distributed import parallel_state
-    from sglang.multimodal_gen.runtime.server_args import set_global_server_args
 
     if not torch.distributed.is_initialized():
         with socket.socket() as probe:  # a free port: another process (a test's child) may hold one
@@ -133,7 +138,76 @@ def prepare_runtime(device: torch.device) -> None:
             _SAVED_ENVIRONMENT.setdefault(key, os.environ.get(key))
             os.environ[key] = value
     parallel_state.maybe_init_distributed_environment_and_model_parallel(tp_size=1, sp_size=1)
+
+
+def prepare_runtime(device: torch.device) -> None:
+    """sglang's runtime for one process on `device` (idempotent): stubs for missing packages, the
+    one-rank group, the server arguments its DiT reads."""
+    from sglang.multimodal_gen.runtime.server_args import set_global_server_args
+
+    _stub_missing(device)
+    _one_rank_group()
     set_global_server_args(argparse.Namespace(**SERVER_ARGS))
+
+
+def sglang_pipeline(model_path: Path, device: torch.device, precision: str = "fp32") -> tuple[Any, Any]:
+    """sglang's own pipeline for a diffusers-format folder, built in this process the way one of its
+    GPU workers builds it: the platform, the diffusion plugins (ours among them, unless
+    SGLANG_PLUGINS leaves it out) and their hooks, the server arguments (attention torch_sdpa, the
+    models in `precision`), the one-rank group, `build_pipeline`; no scheduler process. Returns
+    (pipeline, server arguments). sglang picks the pipeline by the folder's name (FLUX.2 klein's
+    where the path says "flux2-klein")."""
+    _stub_missing(device, ("imageio_ffmpeg",))  # sglang's entry points import it for video output
+    from sglang.multimodal_gen.runtime.pipelines_core import build_pipeline
+    from sglang.multimodal_gen.runtime.platforms import initialize_current_platform
+    from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks, load_plugins
+    from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
+
+    initialize_current_platform()
+    load_plugins()
+    apply_plugin_hooks()
+    server_args = ServerArgs.from_kwargs(
+        model_path=str(model_path),
+        num_gpus=1,
+        attention_backend="torch_sdpa",
+        dit_precision=precision,
+        vae_precision=precision,
+        text_encoder_precisions=[precision],
+    )
+    set_global_server_args(server_args)
+    _one_rank_group()
+    return build_pipeline(server_args), server_args
+
+
+def generate(
+    pipeline: Any,
+    server_args: Any,
+    prompt: str,
+    size: tuple[int, int],
+    steps: int,
+    guidance: float,
+    seed: int = 0,
+) -> torch.Tensor:
+    """One image of sglang's pipeline, as its offline generator requests it: [1, 3, H, W] in [0, 1]."""
+    from sglang.multimodal_gen.configs.sample.sampling_params import SamplingParams
+    from sglang.multimodal_gen.runtime.entrypoints.utils import prepare_request
+
+    width, height = size
+    params = SamplingParams.from_user_sampling_params_args(
+        server_args.model_path,
+        server_args=server_args,
+        prompt=prompt,
+        height=height,
+        width=width,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        seed=seed,
+        save_output=False,
+    )
+    output = pipeline.forward(prepare_request(server_args, params), server_args)
+    if output.error:
+        raise RuntimeError(f"sglang's pipeline failed: {output.error}")
+    return output.output
 
 
 def release_runtime() -> None:
