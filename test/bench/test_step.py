@@ -301,3 +301,46 @@ def test_a_scan_row_on_the_gpu() -> None:
     assert set(rows[1].busy_pct) == {"eager", "fused", "compiled"} and rows[1].compiled_ms > 0
     assert all(0 < pct <= 100 for r in rows for pct in r.busy_pct.values())
     assert rows[1].compiled_sha256 is not None
+
+
+def test_compiled_modes_switch_without_recompiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the diffusers host each compiled mode traces a model of its own (twins holding the same
+    weight tensors, one enabled once) that no switch changes, so alternating modes recompiles
+    nothing; the twins compute what the model computes in each mode."""
+    import functools
+
+    import torch
+
+    from flux2_fused.bench import hosts
+    from flux2_fused.bench.step import Subject
+    from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
+
+    config = Flux2Config.preset("tiny")
+    subject = object.__new__(Subject)  # the GPU constructor's fields, on the CPU
+    subject.name, subject.diffusers, subject._twins = "tiny", True, {}
+    subject.model = hosts.diffusers_model(Flux2Transformer.random(config, seed=0)).eval()
+    gen = torch.Generator().manual_seed(0)
+    inputs = {
+        "hidden_states": torch.randn(2, 16, config.in_channels, generator=gen),
+        "encoder_hidden_states": torch.randn(2, 8, config.joint_attention_dim, generator=gen),
+        "timestep": torch.full((2,), 0.5),
+        "img_ids": image_ids(16),
+        "txt_ids": text_ids(8),
+    }
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    run, plain = subject.compiled_runner(inputs), subject.runner(inputs)
+    with torch.no_grad():
+        expected = {mode: plain(mode) for mode in (False, True)}
+        first = {mode: run(mode) for mode in (False, True)}
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            again = [run(mode) for mode in (False, True, False, True)]
+    assert all(torch.equal(first[mode], expected[mode]) for mode in (False, True))
+    assert all(torch.equal(out, first[i % 2 == 1]) for i, out in enumerate(again))
+    twins = subject._twins
+    assert (
+        twins[False] is not subject.model
+        and twins[True].transformer_blocks[0] is not subject.model.transformer_blocks[0]
+    )
+    assert all(a is b for a, b in zip(twins[True].parameters(), subject.model.parameters(), strict=True))
+    assert getattr(twins[True], "_flux2_fused_handle", None) is not None
+    assert getattr(twins[False], "_flux2_fused_handle", None) is None

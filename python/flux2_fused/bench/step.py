@@ -47,6 +47,7 @@ pipelined), so --compile defaults to 100 pairs.
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import gc
 import hashlib
@@ -214,6 +215,7 @@ class Subject:
         device = torch.device("cuda", torch.cuda.current_device())
         self.name = name
         self.diffusers = flux1.is_flux1(name) or host == "diffusers"
+        self._twins: dict[bool, nn.Module] = {}
         if flux1.is_flux1(name):
             transformer = flux1.random_transformer(name, device, torch.bfloat16)
             self.model = hosts.set_up(
@@ -248,32 +250,57 @@ class Subject:
         config = Flux2Config.preset(self.name)
         return step_inputs(config, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens)
 
-    def runner(
-        self, inputs: dict, forward: Callable[..., Any] | None = None
-    ) -> Callable[[bool], torch.Tensor]:
-        """One step in either mode through `forward` (the model, or a torch.compile of it: on the
-        diffusers host one compiled module holds a graph for each mode, the switch changing the
-        forward it traces)."""
-        forward = forward or self.model
+    def runner(self, inputs: dict) -> Callable[[bool], torch.Tensor]:
+        """One step in either mode, the mode set by `switch`."""
 
         def run(fused: bool) -> torch.Tensor:
             self.switch(fused)
             if self.diffusers:
-                return forward(**inputs, return_dict=False)[0]
-            return forward(**inputs)
+                return self.model(**inputs, return_dict=False)[0]
+            return self.model(**inputs)
 
         return run
 
+    def compiled_runner(self, inputs: dict) -> Callable[[bool], torch.Tensor]:
+        """One step in either mode under torch.compile, for one shape (the compile caches cleared,
+        shapes static: each size of a scan gets its own graphs, where automatic dynamic shapes would
+        trace a slower symbolic one after the first change and the recompile limit would send later
+        sizes to eager). Switching modes must change nothing a graph's guards may check, or a switch
+        could recompile: the package's model switches a flag, a guarded attribute (one graph a
+        mode); on the diffusers host, where enable() and disable() swap forward objects, each mode
+        compiles a model of its own, diffusers' twins holding the same weight tensors, one enabled
+        once, so neither graph's model ever changes."""
+        torch._dynamo.reset()
+        if not self.diffusers:
+            forward = torch.compile(self.model, dynamic=False)
 
-def compiled(model: nn.Module) -> Callable[..., Any]:
-    """torch.compile(model) for one shape: the compile caches cleared first and shapes static, so
-    each size of a scan gets its own graph (automatic dynamic shapes would trace a slower symbolic
-    one after the first change, and the recompile limit would send later sizes to eager)."""
-    torch._dynamo.reset()
-    return torch.compile(model, dynamic=False)
+            def run_package(fused: bool) -> torch.Tensor:
+                self.switch(fused)
+                return forward(**inputs)
 
+            return run_package
+        forwards: dict[bool, Callable[..., Any]] = {}
 
-MODES = ("eager", "fused", "compiled")
+        def run(fused: bool) -> torch.Tensor:
+            if fused not in forwards:
+                forwards[fused] = torch.compile(self._twin(fused), dynamic=False)
+            return forwards[fused](**inputs, return_dict=False)[0]
+
+        return run
+
+    def _twin(self, fused: bool) -> nn.Module:
+        """A copy of the diffusers model whose modules are its own and whose weights and buffers are
+        the model's tensors (no copy), plain or with enable() on it; one of each, kept."""
+        if fused not in self._twins:
+            self.switch(False)  # copy diffusers' own model, not a patched one
+            shared = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
+            twin = copy.deepcopy(self.model, memo=shared)
+            if fused:
+                from ..integrations.diffusers import enable
+
+                enable(twin)
+            self._twins[fused] = twin
+        return self._twins[fused]
 
 
 def bench_size(
@@ -292,13 +319,13 @@ def bench_size(
     each mode's GPU busy %; `size` (width, height) pixels gives `img_tokens` their layout."""
     width_tokens = None if size is None else size[0] // PX_PER_TOKEN
     inputs = subject.inputs(batch, img_tokens, txt_tokens, width_tokens)
-    run = subject.runner(inputs, compiled(subject.model) if compile_both else None)
+    run = subject.compiled_runner(inputs) if compile_both else subject.runner(inputs)
     runs: dict[str, Callable[[], torch.Tensor]] = {
         "eager": functools.partial(run, False),
         "fused": functools.partial(run, True),
     }
     if vs_compile:
-        runs["compiled"] = functools.partial(subject.runner(inputs, compiled(subject.model)), False)
+        runs["compiled"] = functools.partial(subject.compiled_runner(inputs), False)
 
     with torch.inference_mode():
         outputs = {mode: step() for mode, step in runs.items()}  # warm-up; the fused one self-checks

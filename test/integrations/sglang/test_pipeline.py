@@ -49,7 +49,7 @@ GENERATE = textwrap.dedent(
 
 
 def _generate(folder: Path, image: Path, plugins: str | None) -> str:
-    env = dict(os.environ)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU, where sglang's own DiT is diffusers' too
     if plugins is not None:
         env["SGLANG_PLUGINS"] = plugins  # sglang's allow list of plugin names
     done = subprocess.run(
