@@ -3,7 +3,7 @@
 #   scripts/gpu-session.sh [ops-tests] [model-tests] [verify] [kernel-bench] [step-bench]
 #                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
 #                          [baseline-kernel-bench] [baseline-step-bench] [parallel-bench] [pytest:ARGS]
-#                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang]
+#                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang] [scan] [float8-compile]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
 # pipeline-bench: a Flux2KleinPipeline call (klein-4b, 1024 px, 8 steps, CFG, VAE decode) alone vs enable();
@@ -17,6 +17,10 @@
 # bundle-check: scripts/bundle/run.sh (the prebuilt wheel in .whl/bundle/, toolkit hidden);
 # sglang: sglang's DiT files (.whl/sglang/sglang-slim.tgz, made by sglang-slim.sh) and the small wheels
 # it imports (.whl/sglang/*.whl), its GPU tests, then `python -m flux2_fused.bench.sglang`.
+# scan: `step --sizes ... --batch ... --vs-compile --plot` for each of SCAN_CONFIGS (default klein-4b;
+# SCAN_SIZES, SCAN_BATCHES, SCAN_STEPS and SCAN_ARGS, e.g. "--host diffusers", override), a JSON and a
+# PNG each; float8-compile: the compiled torchao float8 step of klein-4b at 512x512 then 1024x1024,
+# with faulthandler dumping the stacks if it runs past FLOAT8_TIMEOUT seconds (default 240).
 # ab-step:OPTIONS runs `flux2-fused step OPTIONS` on .baseline, then on this tree, into one ab-step.log.
 # The baseline-* steps run the same benchmark from .baseline/python (an earlier tree, e.g.
 # `git archive <commit> python | tar -x -C .baseline`), for before/after numbers in one session; the
@@ -73,8 +77,21 @@ for step in "$@"; do
     sglang)
       mkdir -p /tmp/sglang && tar xzf .whl/sglang/sglang-slim.tgz -C /tmp/sglang &&
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/sglang/*.whl || rc=1
-      PYTHONPATH=/tmp/sglang:$PYTHONPATH python3 -m pytest -q test/integrations/sglang -m gpu 2>&1 | tee "$OUT/sglang-tests.log" | tail -5 || rc=1
+      # The tree as a distribution in /tmp/plugin, so sglang's plugin loader finds its entry point.
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/plugin . >/dev/null 2>&1 || rc=1
+      PYTHONPATH=/tmp/sglang:$PYTHONPATH:/tmp/plugin python3 -m pytest -q test/integrations/sglang -m gpu 2>&1 | tee "$OUT/sglang-tests.log" | tail -5 || rc=1
       PYTHONPATH=/tmp/sglang:$PYTHONPATH python3 -m flux2_fused.bench.sglang --json "$OUT/sglang.json" ${SGLANG_BENCH_ARGS:-} 2>&1 | tee "$OUT/sglang-bench.log" | grep -v -i warn || rc=1 ;;
+    scan)
+      for config in ${SCAN_CONFIGS:-klein-4b}; do
+        step_bench "scan-$config" --configs "$config" --sizes ${SCAN_SIZES:-512x512 768x768 1024x1024 1360x768 1536x1536 2048x2048} \
+          --batch ${SCAN_BATCHES:-1 4} --steps ${SCAN_STEPS:-3} --vs-compile --plot "$OUT/scan-$config.png" ${SCAN_ARGS:-} || rc=1
+      done ;;
+    float8-compile)
+      for size in 512x512 1024x1024; do
+        TORCH_LOGS=recompiles timeout -s ABRT "${FLOAT8_TIMEOUT:-240}" python3 -X faulthandler -m flux2_fused step \
+          --configs klein-4b --host diffusers --quantize float8-row --compile --steps 3 --sizes "$size" \
+          --json "$OUT/float8-compile-$size.json" 2>&1 | tail -60 | tee -a "$OUT/float8-compile.log" || rc=1
+      done ;;
     pytest:*) python3 -m pytest -q ${step#pytest:} 2>&1 | tee -a "$OUT/pytest.log" | tail -15 || rc=1 ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac

@@ -143,9 +143,9 @@ def _one_rank_group() -> None:
 def prepare_runtime(device: torch.device) -> None:
     """sglang's runtime for one process on `device` (idempotent): stubs for missing packages, the
     one-rank group, the server arguments its DiT reads."""
+    _stub_missing(device)
     from sglang.multimodal_gen.runtime.server_args import set_global_server_args
 
-    _stub_missing(device)
     _one_rank_group()
     set_global_server_args(argparse.Namespace(**SERVER_ARGS))
 

@@ -283,10 +283,11 @@ def test_enable_tells_the_two_hosts_apart() -> None:
 
 PLUGIN_SCRIPT = textwrap.dedent(
     """
-    import dataclasses, torch
+    import dataclasses, sys, torch
     from flux2_fused.bench import sglang as harness, hosts
     from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer, blocks, image_ids, text_ids
-    harness.prepare_runtime(torch.device("cpu"))
+    device = torch.device(sys.argv[1])
+    harness.prepare_runtime(device)
     from sglang.multimodal_gen.runtime.platforms import plugins
     plugins.load_plugins()
     plugins.apply_plugin_hooks()
@@ -294,14 +295,16 @@ PLUGIN_SCRIPT = textwrap.dedent(
     real = blocks.double_block_body
     blocks.double_block_body = lambda *a, **k: calls.append(1) or real(*a, **k)
     config = Flux2Config.preset("tiny")
-    reference = hosts.diffusers_model(Flux2Transformer.random(config, seed=3, dtype=torch.bfloat16)).eval()
+    weights = Flux2Transformer.random(config, seed=3, device=device, dtype=torch.bfloat16)
+    reference = hosts.diffusers_model(weights).eval()
     dit = harness.sglang_dit(reference)
     gen = torch.Generator().manual_seed(0)
+    rows = lambda n, width: torch.randn(2, n, width, generator=gen).bfloat16().to(device)
     inputs = dict(
-        hidden_states=torch.randn(2, 37, config.in_channels, generator=gen).bfloat16(),
-        encoder_hidden_states=torch.randn(2, 11, config.joint_attention_dim, generator=gen).bfloat16(),
-        timestep=torch.rand(2, generator=gen), img_ids=image_ids(37), txt_ids=text_ids(11),
-        guidance=torch.tensor([3.5, 2.0]),
+        hidden_states=rows(37, config.in_channels),
+        encoder_hidden_states=rows(11, config.joint_attention_dim),
+        timestep=torch.rand(2, generator=gen).to(device), img_ids=image_ids(37, device=device),
+        txt_ids=text_ids(11, device=device), guidance=torch.tensor([3.5, 2.0], device=device),
     )
     with torch.no_grad():
         out = harness.call(dit, harness.sglang_inputs(dit, inputs))
@@ -314,12 +317,18 @@ PLUGIN_SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_installed_plugin_fuses_every_dit_sglang_builds() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_installed_plugin_fuses_every_dit_sglang_builds(device: str) -> None:
     """sglang's own plugin loading (entry point group sglang.multimodal_gen.plugins) finds the
-    package's plugin; a DiT built afterwards runs the block code, with no enable() and no flag. In a
+    package's plugin; a DiT built afterwards runs the block code, with no enable() and no flag, and
+    equals diffusers (on a GPU with the fused kernels, where sglang's own path differs). In a
     subprocess: the hook patches sglang's class for the whole process."""
     done = subprocess.run(
-        [sys.executable, "-c", PLUGIN_SCRIPT], capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-c", PLUGIN_SCRIPT, device],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert "PLUGIN-OK" in done.stdout, done.stderr[-3000:]
 
