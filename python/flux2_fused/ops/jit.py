@@ -88,7 +88,9 @@ def cache_root() -> Path:
 
 
 # Where NVIDIA's pip packages put a toolkit inside their `nvidia` namespace package (the `[jit]`
-# extra: CUDA 13's nvidia-cuda-nvcc with its headers, runtime and NVVM, all under one folder).
+# extra: CUDA 13's nvidia-cuda-nvcc with its headers, runtime and NVVM, all under one folder). CUDA
+# 12's packages hold no compiler to find: nvidia-cuda-nvcc-cu12 (12.9) ships ptxas, libnvvm and
+# libdevice, without the nvcc driver, cicc or cudafe++ that compile a .cu file.
 PIP_CUDA_HOMES = ("cu13",)
 
 
