@@ -157,18 +157,20 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
         busy_pct={"eager": 96.84, "fused": 99.12, "compiled": 98.5},
         compiled_ms=11.0,
         compiled_sha256="d" * 64,
+        graph_ms=8.0,
+        graph_bit_exact=True,
     )
     table = format_step_table([step, on_diffusers, scanned], "NVIDIA H200", "2.11.0")
     timings, breakdown = table.split("\n\n")
     assert "eager = diffusers' own forward, fused = enable(model)" in timings
-    assert _table_widths(timings) == {17}
-    assert "| klein-4b | package | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% | - | - |" in timings
+    assert _table_widths(timings) == {18}
+    assert "| klein-4b | package | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% | - | - | - |" in timings
     assert "| klein-4b | diffusers (LoRA r16, model offload) | 1 | 4096+512 | synchronized |" in timings
     assert (
         "| klein-4b | package | 4 | 1360x768 (4080+512) | pipelined | 11.00 | 10.00 | +10.0% "
-        "| 11.00 (+10.0%) | eager 96.8 / fused 99.1 / compiled 98.5 |" in timings
+        "| 11.00 (+10.0%) | 8.00 (+25.0%), bit-exact | eager 96.8 / fused 99.1 / compiled 98.5 |" in timings
     )
-    assert "| 1360x768 (4080+512) | synchronized | 11.00 | 10.00 | +10.0% | - | - |" in timings
+    assert "| 1360x768 (4080+512) | synchronized | 11.00 | 10.00 | +10.0% | - | - | - |" in timings
     assert _table_widths(breakdown) == {13}
     assert (
         "| klein-4b | package | 1 | 4096+512 | eager | 1256 | 6.50 (500) | 2.25 (50) | 0.00 (0) | 0.00 (0) "
@@ -287,18 +289,20 @@ def test_the_size_plot_draws_every_config(tmp_path: Path) -> None:
 @pytest.mark.gpu
 def test_a_scan_row_on_the_gpu() -> None:
     """Two sizes (one not square) at batch 2 of the package's klein-4B, each one row: bit-exact, the
-    size kept, every mode's busy % measured, the compiled eager forward timed beside them."""
+    size kept, every mode's busy % measured, the compiled eager forward and the fused step's CUDA
+    graph (its replay bit-exact) timed beside them."""
     from flux2_fused.bench.step import Subject, bench_size
 
     subject = Subject("klein-4b", "package", None, "none", "none")
     rows = [
-        bench_size(subject, 2, 2, (w // 16) * (h // 16), 32, (w, h), vs_compile=compile_too)
-        for (w, h), compile_too in (((256, 256), False), ((512, 256), True))
+        bench_size(subject, 2, 2, (w // 16) * (h // 16), 32, (w, h), vs_compile=extra, graph=extra)
+        for (w, h), extra in (((256, 256), False), ((512, 256), True))
     ]
     assert all(r.bit_exact and r.fused_kernel_launches == 96 for r in rows)
     assert [(r.width, r.height, r.img_tokens) for r in rows] == [(256, 256, 256), (512, 256, 512)]
     assert set(rows[0].busy_pct) == {"eager", "fused"} and rows[0].compiled_ms is None
-    assert set(rows[1].busy_pct) == {"eager", "fused", "compiled"} and rows[1].compiled_ms > 0
+    assert set(rows[1].busy_pct) == {"eager", "fused", "compiled", "graph"} and rows[1].compiled_ms > 0
+    assert rows[1].graph_bit_exact and rows[1].graph_ms > 0 and rows[0].graph_ms is None
     assert all(0 < pct <= 100 for r in rows for pct in r.busy_pct.values())
     assert rows[1].compiled_sha256 is not None
 

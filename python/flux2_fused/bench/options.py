@@ -117,6 +117,12 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         "its time and output hash beside theirs",
     )
     parser.add_argument(
+        "--graph",
+        action="store_true",
+        help="also the fused step captured in a CUDA graph and replayed, pipelined in turn with eager and "
+        "fused: the step without the host's launch work, its bits compared with eager's",
+    )
+    parser.add_argument(
         "--host",
         choices=HOSTS,
         default="package",

@@ -304,6 +304,10 @@ class StepResult:
     - compiled_ms: with --vs-compile, the median pipelined step of torch.compile(model) running the
       eager forward, timed in turn with the eager and fused steps of `pipelined`; else null
     - compiled_sha256: SHA-256 of that compiled step's output (Inductor's bits, not eager's), or null
+    - graph_ms: with --graph, the median pipelined step of the fused step captured in a CUDA graph and
+      replayed, timed in turn with the eager and fused steps of `pipelined`; else null
+    - graph_bit_exact: with --graph, whether the replayed step's output equals the eager step's; else
+      null
     """
 
     config: str
@@ -331,6 +335,8 @@ class StepResult:
     busy_pct: dict[str, float] = field(default_factory=dict)
     compiled_ms: float | None = None
     compiled_sha256: str | None = None
+    graph_ms: float | None = None
+    graph_bit_exact: bool | None = None
 
     @property
     def size_label(self) -> str:
@@ -386,6 +392,7 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
         "fused ms",
         "speedup",
         "compiled ms (fused vs it)",
+        "CUDA graph ms (vs fused)",
         "GPU busy %",
         "paired gain ms (95% CI)",
         "fused won",
@@ -402,6 +409,10 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
             compiled = "-"
             if pipelined and r.compiled_ms is not None:
                 compiled = f"{r.compiled_ms:.2f} ({speedup_text(100 * (r.compiled_ms / t.fused_ms - 1))})"
+            graph = "-"
+            if pipelined and r.graph_ms is not None:
+                exact = "bit-exact" if r.graph_bit_exact else "NOT bit-exact"
+                graph = f"{r.graph_ms:.2f} ({speedup_text(100 * (t.fused_ms / r.graph_ms - 1))}), {exact}"
             busy = " / ".join(f"{m} {pct:.1f}" for m, pct in r.busy_pct.items()) if pipelined else "-"
             rows.append(
                 [
@@ -414,6 +425,7 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
                     f"{t.fused_ms:.2f}",
                     speedup_text(t.speedup_pct),
                     compiled,
+                    graph,
                     busy or "-",
                     f"{t.paired_diff_ms:+.2f} +- {t.paired_ci95_ms:.2f}",
                     f"{t.fused_won}/{r.steps}",

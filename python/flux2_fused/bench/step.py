@@ -61,9 +61,9 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from ..errors import BadValue
+from ..errors import BadValue, CommandError
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
-from . import flux1, hosts, plot
+from . import flux1, hosts
 from .options import PX_PER_TOKEN, require_at_least_one
 from .report import (
     KERNEL_CLASSES,
@@ -74,7 +74,7 @@ from .report import (
     format_step_table,
     write_json,
 )
-from .timing import event_ms, pipelined_ms, rotated_order
+from .timing import event_ms, graphed, pipelined_ms, rotated_order
 
 # This package's CUDA kernels, by a part of their names the profiler shows; a new fused op adds its
 # kernel here, and both benchmarks (this one and bench/denoise.py) then count it as fused.
@@ -303,6 +303,15 @@ class Subject:
         return self._twins[fused]
 
 
+def captured(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """`step` captured in a CUDA graph (`timing.graphed`), for static shapes: its replay is the step
+    without the host's launch work. CommandError where the step cannot be captured (a host sync)."""
+    try:
+        return graphed(step)
+    except RuntimeError as err:
+        raise CommandError(f"--graph: the fused step could not be captured in a CUDA graph: {err}") from err
+
+
 def bench_size(
     subject: Subject,
     steps: int,
@@ -312,11 +321,13 @@ def bench_size(
     size: tuple[int, int] | None = None,
     compile_both: bool = False,
     vs_compile: bool = False,
+    graph: bool = False,
     options: dict[str, Any] | None = None,
 ) -> StepResult:
-    """One (batch, size) of a subject: eager and fused interleaved (synchronized, then pipelined:
-    with `vs_compile` in turn with torch.compile of the eager forward), their kernel breakdowns and
-    each mode's GPU busy %; `size` (width, height) pixels gives `img_tokens` their layout."""
+    """One (batch, size) of a subject: eager and fused interleaved (synchronized, then pipelined,
+    in turn with torch.compile of the eager forward with `vs_compile` and with the fused step
+    replayed from a CUDA graph with `graph`), their kernel breakdowns and each mode's GPU busy %;
+    `size` (width, height) pixels gives `img_tokens` their layout."""
     width_tokens = None if size is None else size[0] // PX_PER_TOKEN
     inputs = subject.inputs(batch, img_tokens, txt_tokens, width_tokens)
     run = subject.compiled_runner(inputs) if compile_both else subject.runner(inputs)
@@ -329,13 +340,15 @@ def bench_size(
 
     with torch.inference_mode():
         outputs = {mode: step() for mode, step in runs.items()}  # warm-up; the fused one self-checks
+        if graph:
+            runs["graph"] = captured(runs["fused"])
+            outputs["graph"] = runs["graph"]()
         synchronized = Timing.of(time_synchronized(run, steps, subject.switch))
-        if vs_compile:
+        if len(runs) > 2:
             times = pipelined_ms(lambda mode: runs[mode](), rotated_order(list(runs), steps))
             pipelined = Timing.of({False: times["eager"], True: times["fused"]})
-            compiled_ms = statistics.median(times["compiled"])
         else:
-            pipelined, compiled_ms = Timing.of(time_pipelined(run, steps)), None
+            times, pipelined = {}, Timing.of(time_pipelined(run, steps))
         eager_profile = kernel_breakdown(runs["eager"])
         fused_profile = kernel_breakdown(runs["fused"])
         busy = {mode: pipelined_busy_pct(step) for mode, step in runs.items()}
@@ -359,8 +372,10 @@ def bench_size(
         width=None if size is None else size[0],
         height=None if size is None else size[1],
         busy_pct=busy,
-        compiled_ms=compiled_ms,
+        compiled_ms=statistics.median(times["compiled"]) if vs_compile else None,
         compiled_sha256=tensor_sha256(outputs["compiled"]) if vs_compile else None,
+        graph_ms=statistics.median(times["graph"]) if graph else None,
+        graph_bit_exact=torch.equal(outputs["graph"], outputs["eager"]) if graph else None,
         **(options or {}),
     )
 
@@ -371,6 +386,8 @@ def check(args: argparse.Namespace) -> None:
     check_output("--json", args.json)
     check_output("--plot", args.plot, ".png")
     if args.plot is not None:
+        from . import plot  # only where a plot is asked for (see bench/plot.py)
+
         plot.require_matplotlib()
     require_at_least_one(
         {
@@ -381,8 +398,8 @@ def check(args: argparse.Namespace) -> None:
             "--lora": args.lora,
         }
     )
-    if args.compile and args.vs_compile:
-        raise BadValue("--compile compiles both modes, --vs-compile adds a compiled eager mode: pick one")
+    if args.compile and (args.vs_compile or args.graph):
+        raise BadValue("--compile compiles both modes; --vs-compile and --graph add modes to eager and fused")
     if args.host == "package":
         flux1_configs = [name for name in args.configs if flux1.is_flux1(name)]
         if flux1_configs:
@@ -432,6 +449,7 @@ def run(args: argparse.Namespace) -> int:
                     size,
                     compile_both=args.compile,
                     vs_compile=args.vs_compile,
+                    graph=args.graph,
                     options=options,
                 )
                 results.append(result)
@@ -443,5 +461,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json([asdict(r) for r in results], args.json)
     if args.plot:
+        from . import plot
+
         plot.save_step_plot(results, args.plot)
     return 0 if args.compile or all(r.bit_exact for r in results) else 1

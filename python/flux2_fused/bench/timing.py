@@ -70,8 +70,10 @@ def pipelined_ms(run: Callable[[K], object], order: Sequence[K]) -> dict[K, list
     return times
 
 
-def graphed(fn: Callable[[], object], repeats: int = 1) -> Callable[[], None]:
-    """`fn` captured `repeats` times in one CUDA graph; the returned callable replays it.
+def graphed(fn: Callable[[], T], repeats: int = 1) -> Callable[[], T]:
+    """`fn` captured `repeats` times in one CUDA graph, after warm-up calls on a side stream (as
+    capture requires); the returned callable replays the graph and returns the last captured call's
+    output, which every replay overwrites.
 
     Time a replay and divide by `repeats` for the per-call GPU time without launch gaps: one capture
     per call would still pay the graph launch itself, which dwarfs a 10 us kernel.
@@ -85,8 +87,13 @@ def graphed(fn: Callable[[], object], repeats: int = 1) -> Callable[[], None]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(repeats):
-            fn()
-    return graph.replay
+            out = fn()
+
+    def replay() -> T:
+        graph.replay()
+        return out
+
+    return replay
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
