@@ -84,7 +84,7 @@ for step in "$@"; do
     scan)
       for config in ${SCAN_CONFIGS:-klein-4b}; do
         step_bench "scan-$config" --configs "$config" --sizes ${SCAN_SIZES:-512x512 768x768 1024x1024 1360x768 1536x1536 2048x2048} \
-          --batch ${SCAN_BATCHES:-1 4} --steps ${SCAN_STEPS:-3} --vs-compile --plot "$OUT/scan-$config.png" ${SCAN_ARGS:-} || rc=1
+          --batch ${SCAN_BATCHES:-1 4} --steps ${SCAN_STEPS:-3} --vs-compile --graph --plot "$OUT/scan-$config.png" ${SCAN_ARGS:-} || rc=1
       done ;;
     float8-compile)
       for size in 512x512 1024x1024; do
