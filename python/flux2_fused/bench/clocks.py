@@ -1,0 +1,256 @@
+"""The GPU's clocks, power, temperature and clock-limit reasons while eager and fused steps run.
+
+    python -m flux2_fused.bench.clocks [--configs klein-4b] [--host package|diffusers] [--blocks 6]
+                                       [--steps 30] [--interval-ms 20] [--json FILE]
+
+Why: sustained fused steps take longer than the sum of their kernels measured alone, and an earlier
+sampling saw the SM clock lower during fused steps than during eager ones at lower power. Whether
+something of ours lowers the clock (the power or occupancy profile of the fused kernels next to the
+GEMMs) or the machine does, shows in what the driver reports while each mode runs.
+
+Each config's model (`step.Subject`) runs blocks of `--steps` pipelined 1024x1024 steps of one mode,
+eager and fused alternating (eager first, so each mode follows the other as often), after a warm-up
+of both. Meanwhile `nvidia-smi` samples the GPU every `--interval-ms`: SM and memory clock, power,
+temperature and the active clock-event reasons (the driver's bitmask of why the clock is below its
+maximum: power cap, thermal slowdown, ...). Each block reports its step time (CUDA events around the
+block, divided by its steps) and its samples' median, minimum and maximum SM clock, median power,
+last temperature, and the share of samples in which each reason was active.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+# nvidia-smi's clock-event reason bits (nvmlClocksEventReasons).
+REASONS = {
+    0x1: "idle",
+    0x2: "applications clocks setting",
+    0x4: "software power cap",
+    0x8: "hardware slowdown",
+    0x10: "sync boost",
+    0x20: "software thermal slowdown",
+    0x40: "hardware thermal slowdown",
+    0x80: "hardware power brake",
+    0x100: "display clock setting",
+}
+FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,{reasons}"
+# The reasons' field: its name since driver 535, and the older one.
+REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+TIMESTAMP = "%Y/%m/%d %H:%M:%S.%f"
+
+
+@dataclass
+class Sample:
+    """One nvidia-smi reading: when (seconds since the epoch, local clock), SM and memory clock (MHz),
+    power (W), temperature (C) and the active clock-event reasons' bitmask."""
+
+    time: float
+    sm_mhz: float
+    mem_mhz: float
+    power_w: float
+    temperature_c: float
+    reasons: int
+
+
+def parse_samples(text: str) -> list[Sample]:
+    """nvidia-smi's `--format=csv,noheader,nounits` lines of FIELDS; lines it could not read (a
+    value "[N/A]", a partial last line) are skipped."""
+    samples = []
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) != 6:
+            continue
+        try:
+            stamp = datetime.datetime.strptime(cells[0], TIMESTAMP).timestamp()
+            samples.append(Sample(stamp, *map(float, cells[1:5]), int(cells[5], 16)))
+        except ValueError:
+            continue
+    return samples
+
+
+def reason_names(mask: int) -> list[str]:
+    """The names of the reasons set in a clock-event bitmask (unknown bits by their value)."""
+    names = [name for bit, name in REASONS.items() if mask & bit]
+    unknown = mask & ~sum(REASONS)
+    return names + ([f"0x{unknown:x}"] if unknown else [])
+
+
+@dataclass
+class Block:
+    """One block of steps of one mode and what the GPU reported meanwhile.
+
+    - mode: "eager" or "fused"
+    - steps: steps in the block
+    - step_ms: the block's GPU time (CUDA events around it) divided by its steps
+    - samples: nvidia-smi readings taken during the block
+    - sm_mhz_median: the SM clock's median over those readings (MHz)
+    - sm_mhz_min: its minimum (MHz)
+    - sm_mhz_max: its maximum (MHz)
+    - mem_mhz_median: the memory clock's median (MHz)
+    - power_w_median: the power draw's median (W)
+    - temperature_c_last: the last reading's temperature (C)
+    - reasons: share of readings (0-1) in which each clock-event reason was active
+    """
+
+    mode: str
+    steps: int
+    step_ms: float
+    samples: int
+    sm_mhz_median: float
+    sm_mhz_min: float
+    sm_mhz_max: float
+    mem_mhz_median: float
+    power_w_median: float
+    temperature_c_last: float
+    reasons: dict[str, float]
+
+
+def summarize(mode: str, steps: int, step_ms: float, samples: Sequence[Sample]) -> Block:
+    """A block's figures from the readings taken during it (NaN where there were none)."""
+    nan = float("nan")
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values) if values else nan
+
+    sm = [s.sm_mhz for s in samples]
+    counts: dict[str, int] = {}
+    for sample in samples:
+        for name in reason_names(sample.reasons):
+            counts[name] = counts.get(name, 0) + 1
+    return Block(
+        mode=mode,
+        steps=steps,
+        step_ms=step_ms,
+        samples=len(samples),
+        sm_mhz_median=median(sm),
+        sm_mhz_min=min(sm, default=nan),
+        sm_mhz_max=max(sm, default=nan),
+        mem_mhz_median=median([s.mem_mhz for s in samples]),
+        power_w_median=median([s.power_w for s in samples]),
+        temperature_c_last=samples[-1].temperature_c if samples else nan,
+        reasons={name: n / len(samples) for name, n in sorted(counts.items())},
+    )
+
+
+def format_blocks(config: str, blocks: Sequence[Block]) -> str:
+    """One row a block, in run order."""
+    from .report import markdown_table
+
+    headers = ["config", "block", "mode", "ms a step", "SM MHz median (min-max)", "mem MHz", "W", "C"]
+    rows = [
+        [
+            config,
+            i,
+            b.mode,
+            f"{b.step_ms:.2f}",
+            f"{b.sm_mhz_median:.0f} ({b.sm_mhz_min:.0f}-{b.sm_mhz_max:.0f})",
+            f"{b.mem_mhz_median:.0f}",
+            f"{b.power_w_median:.0f}",
+            f"{b.temperature_c_last:.0f}",
+            ", ".join(f"{name} {share:.0%}" for name, share in b.reasons.items()) or "-",
+        ]
+        for i, b in enumerate(blocks)
+    ]
+    return markdown_table([*headers, "clock-event reasons (share of samples)"], rows)
+
+
+def _nvidia_smi(*args: str) -> bool:
+    """Whether nvidia-smi accepts these arguments (one query, no loop)."""
+    done = subprocess.run(["nvidia-smi", *args, "--format=csv"], capture_output=True, text=True, check=False)
+    return done.returncode == 0
+
+
+class Sampler:
+    """nvidia-smi sampling GPU `index` every `interval_ms` in the background, from `start()` to
+    `stop()`, which returns its readings."""
+
+    def __init__(self, index: int, interval_ms: int) -> None:
+        reasons = next(
+            (field for field in REASON_FIELDS if _nvidia_smi(f"--query-gpu={field}", f"--id={index}")),
+            REASON_FIELDS[0],
+        )
+        self.command = [
+            "nvidia-smi",
+            f"--query-gpu={FIELDS.format(reasons=reasons)}",
+            "--format=csv,noheader,nounits",
+            f"--loop-ms={interval_ms}",
+            f"--id={index}",
+        ]
+        self.process: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def stop(self) -> list[Sample]:
+        assert self.process is not None
+        self.process.terminate()
+        out, err = self.process.communicate(timeout=30)
+        samples = parse_samples(out)
+        if not samples:
+            raise RuntimeError(f"nvidia-smi gave no readings: {err.strip()[-500:]}")
+        return samples
+
+
+def run_blocks(config: str, host: str, blocks: int, steps: int, interval_ms: int) -> list[Block]:
+    """The blocks of one config (see the module docstring)."""
+    import torch
+
+    from .step import Subject
+    from .timing import event_ms
+
+    subject = Subject(config, host, None, "none", "none")
+    run = subject.runner(subject.inputs(1, 4096, 512, 64))
+    sampler = Sampler(torch.cuda.current_device(), interval_ms)
+    spans = []
+    with torch.inference_mode():
+        for fused in (False, True):  # warm-up; the fused one self-checks
+            run(fused)
+        sampler.start()
+        time.sleep(0.5)  # nvidia-smi's first reading
+        for i in range(blocks):
+            fused = i % 2 == 1
+            subject.switch(fused)
+            torch.cuda.synchronize()
+            begin = time.time()
+            _, ms = event_ms(lambda fused=fused: [run(fused) for _ in range(steps)])
+            spans.append(("fused" if fused else "eager", begin, time.time(), ms / steps))
+        samples = sampler.stop()
+    return [
+        summarize(mode, steps, step_ms, [s for s in samples if begin <= s.time <= end])
+        for mode, begin, end, step_ms in spans
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m flux2_fused.bench.clocks", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--configs", nargs="+", default=["klein-4b"], help="step presets (default klein-4b)")
+    parser.add_argument("--host", choices=("package", "diffusers"), default="package")
+    parser.add_argument("--blocks", type=int, default=6, help="blocks of steps, eager and fused alternating")
+    parser.add_argument("--steps", type=int, default=30, help="pipelined steps a block (default 30)")
+    parser.add_argument("--interval-ms", type=int, default=20, help="nvidia-smi's sampling period")
+    parser.add_argument("--json", help="write the blocks to this file")
+    args = parser.parse_args(argv)
+    results = {}
+    for config in args.configs:
+        results[config] = run_blocks(config, args.host, args.blocks, args.steps, args.interval_ms)
+        print(format_blocks(config, results[config]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({c: [asdict(b) for b in bs] for c, bs in results.items()}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
