@@ -105,7 +105,8 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     options.add_step_arguments(
         add(
             "step",
-            "one denoise step at 1024x1024, eager vs fused, synchronized and pipelined (CUDA GPU)",
+            "one denoise step (1024x1024, or each of --sizes and --batch), eager vs fused, synchronized "
+            "and pipelined (CUDA GPU)",
             fields("StepResult"),
         )
     )

@@ -133,6 +133,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`FLUX2_FUSED_BUNDLE_KERNELS=1 pip wheel .` of this checkout (about two minutes on two cores)."""
     if jit.toolchain_reason() is not None:
         pytest.skip(f"no toolchain to bundle the kernels: {jit.toolchain_reason()}")
+    if bundle.find_zig() is None:
+        pytest.skip("no zig to link the bundled kernels (pip install ziglang; the test extra has it)")
     out = tmp_path_factory.mktemp("dist")
     env = {**os.environ, "FLUX2_FUSED_BUNDLE_KERNELS": "1"}
     command = [
@@ -213,7 +215,7 @@ def test_each_module_is_self_contained(op: str, modules: dict[str, Path]) -> Non
     exported = subprocess.run(
         [_tool("nm"), "-D", "--defined-only", str(library)], capture_output=True, text=True
     ).stdout.split()[2::3]
-    assert exported == [f"__tvm_ffi_{op}"]
+    assert f"__tvm_ffi_{op}" in exported and all(name.startswith("__tvm_ffi_") for name in exported)
     assert bundle.fatbin_targets(library) == WHEEL_ARCHS
 
 

@@ -9,8 +9,9 @@ something of ours lowers the clock (the power or occupancy profile of the fused 
 GEMMs) or the machine does, shows in what the driver reports while each mode runs.
 
 Each config's model (`step.Subject`) runs blocks of `--steps` pipelined 1024x1024 steps of one mode,
-eager and fused alternating (eager first, so each mode follows the other as often), after a warm-up
-of both. Meanwhile `nvidia-smi` samples the GPU every `--interval-ms`: SM and memory clock, power,
+eager and fused alternating, after a warm-up of both and an unreported lead-in block of fused steps
+while the sampler runs (so every reported block follows a block of the other mode, none an idle
+GPU). Meanwhile `nvidia-smi` samples the GPU every `--interval-ms`: SM and memory clock, power,
 temperature and the active clock-event reasons (the driver's bitmask of why the clock is below its
 maximum: power cap, thermal slowdown, ...). Each block reports its step time (CUDA events around the
 block, divided by its steps) and its samples' median, minimum and maximum SM clock, median power,
@@ -41,7 +42,10 @@ REASONS = {
     0x80: "hardware power brake",
     0x100: "display clock setting",
 }
-FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,{reasons}"
+FIELDS = "timestamp,clocks.sm,clocks.mem,{power},temperature.gpu,{reasons}"
+# The instantaneous power (driver 535+; `power.draw` is a one-second average on recent GPUs, longer
+# than a block's share of it), and the older field.
+POWER_FIELDS = ("power.draw.instant", "power.draw")
 # The reasons' field: its name since driver 535, and the older one.
 REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
 TIMESTAMP = "%Y/%m/%d %H:%M:%S.%f"
@@ -169,20 +173,21 @@ def _nvidia_smi(*args: str) -> bool:
 
 
 class Sampler:
-    """nvidia-smi sampling GPU `index` every `interval_ms` in the background, from `start()` to
-    `stop()`, which returns its readings."""
+    """nvidia-smi sampling GPU `gpu` (its UUID: nvidia-smi numbers GPUs its own way, not as
+    CUDA_VISIBLE_DEVICES does) every `interval_ms` in the background, from `start()` to `stop()`,
+    which returns its readings."""
 
-    def __init__(self, index: int, interval_ms: int) -> None:
-        reasons = next(
-            (field for field in REASON_FIELDS if _nvidia_smi(f"--query-gpu={field}", f"--id={index}")),
-            REASON_FIELDS[0],
-        )
+    def __init__(self, gpu: str, interval_ms: int) -> None:
+        def supported(fields: Sequence[str]) -> str:
+            return next((f for f in fields if _nvidia_smi(f"--query-gpu={f}", f"--id={gpu}")), fields[0])
+
+        query = FIELDS.format(power=supported(POWER_FIELDS), reasons=supported(REASON_FIELDS))
         self.command = [
             "nvidia-smi",
-            f"--query-gpu={FIELDS.format(reasons=reasons)}",
+            f"--query-gpu={query}",
             "--format=csv,noheader,nounits",
             f"--loop-ms={interval_ms}",
-            f"--id={index}",
+            f"--id={gpu}",
         ]
         self.process: subprocess.Popen[str] | None = None
 
@@ -210,15 +215,15 @@ def run_blocks(config: str, host: str, blocks: int, steps: int, interval_ms: int
 
     subject = Subject(config, host, None, "none", "none")
     run = subject.runner(subject.inputs(1, 4096, 512, 64))
-    sampler = Sampler(torch.cuda.current_device(), interval_ms)
+    uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
+    sampler = Sampler(f"GPU-{uuid}", interval_ms)
     spans = []
     with torch.inference_mode():
         for fused in (False, True):  # warm-up; the fused one self-checks
             run(fused)
         sampler.start()
-        time.sleep(0.5)  # nvidia-smi's first reading
-        for i in range(blocks):
-            fused = i % 2 == 1
+        for i in range(-1, blocks):  # block -1: the unreported lead-in
+            fused = i % 2 == 1 or i < 0
             subject.switch(fused)
             torch.cuda.synchronize()
             begin = time.time()
@@ -227,7 +232,7 @@ def run_blocks(config: str, host: str, blocks: int, steps: int, interval_ms: int
         samples = sampler.stop()
     return [
         summarize(mode, steps, step_ms, [s for s in samples if begin <= s.time <= end])
-        for mode, begin, end, step_ms in spans
+        for mode, begin, end, step_ms in spans[1:]
     ]
 
 

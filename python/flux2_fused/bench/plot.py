@@ -9,6 +9,7 @@ backend switch that could disturb a host program.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def save_step_plot(results: Sequence[StepResult], path: Path) -> None:
     axes = fig.subplots(1, len(configs), squeeze=False)[0]
     for ax, config in zip(axes, configs, strict=True):
         rows = [r for r in results if r.config == config]
-        for batch, style in zip(dict.fromkeys(r.batch for r in rows), BATCH_STYLES, strict=False):
+        for batch, style in zip(dict.fromkeys(r.batch for r in rows), itertools.cycle(BATCH_STYLES)):
             line = sorted((r for r in rows if r.batch == batch), key=lambda r: r.img_tokens)
             megapixels = [r.img_tokens * 256 / 1e6 for r in line]
             series = {

@@ -298,9 +298,10 @@ class StepResult:
       "float8-row", "float8-tensor" or "int8"
     - width: image width in pixels (img_tokens laid out as that image's rows), null when given as tokens
     - height: image height in pixels, null when given as tokens
-    - busy_pct: by mode ("eager", "fused", and "compiled" with --vs-compile), the GPU's busy share (%)
-      of a few pipelined steps under torch.profiler: the union of its kernels, copies and memsets over
-      the span from the first start to the last end; below 100 the GPU waited for the host
+    - busy_pct: by mode ("eager", "fused", "compiled" with --vs-compile, "graph" with --graph), the
+      GPU's busy share (%) of a few pipelined steps under torch.profiler: the union of its kernels,
+      copies and memsets over the span from the first start to the last end; below 100 the GPU
+      waited for the host (the profiler's own launch overhead included)
     - compiled_ms: with --vs-compile, the median pipelined step of torch.compile(model) running the
       eager forward, timed in turn with the eager and fused steps of `pipelined`; else null
     - compiled_sha256: SHA-256 of that compiled step's output (Inductor's bits, not eager's), or null

@@ -11,9 +11,11 @@ How a bundled module differs from a JIT-built one, and why:
 - the CUDA runtime linked statically (`libcudart_static.a`): the module does not depend on one CUDA
   runtime version, so it runs beside torch built for CUDA 12 or 13, on any driver that supports the
   toolkit it was built with; it needs only libtvm_ffi (loaded by tvm-ffi), the C/C++ runtime and glibc;
-- linked by zig's linker (the `ziglang` package) against glibc 2.28's symbol versions, whatever glibc
-  the build machine has, so the wheel is manylinux_2_28 (the static CUDA runtime would otherwise bind
-  its pthread, dl and shm calls at the build machine's glibc: 2.34 on any glibc 2.34+);
+- linked by zig's linker (the `ziglang` package) against glibc 2.28's symbol versions, so the wheel is
+  manylinux_2_28 whatever glibc the build machine has (the static CUDA runtime would otherwise bind
+  its pthread, dl and shm calls at the build machine's glibc: 2.34 on any glibc 2.34+). The link
+  allows no undefined symbol, so a call that only a newer glibc has (its headers may rename one,
+  e.g. `__isoc23_strtol` on 2.38+) fails the build rather than the wheel;
 - only its `__tvm_ffi_*` functions exported, and the one libstdc++ member it uses that is newer than
   manylinux_2_28 allows (`LIBSTDCXX_MEMBERS`) linked in, hidden;
 - the same compiler flags otherwise (`jit.CUDA_FLAGS`, -O2, as tvm-ffi's JIT build).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -101,10 +104,11 @@ def compile_command(
 
 
 def _compiler_file(name: str) -> Path:
-    """A file of the host compiler's runtime (`g++ -print-file-name`), as nvcc's host compiler links."""
-    compiler = shutil.which("g++")
+    """A file of the C++ runtime of nvcc's host compiler ($NVCC_CCBIN, else the g++ on PATH, as nvcc
+    picks it), by its `-print-file-name`."""
+    compiler = os.environ.get("NVCC_CCBIN") or shutil.which("g++")
     if compiler is None:
-        raise jit.BuildError("bundling needs g++, nvcc's host compiler, on PATH")
+        raise jit.BuildError("bundling needs g++, nvcc's host compiler, on PATH (or $NVCC_CCBIN)")
     found = Path(
         subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
     )

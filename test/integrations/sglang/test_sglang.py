@@ -94,7 +94,7 @@ def test_a_projection_of_strided_rows_is_diffusers_product() -> None:
     """The text rows of a joint [2, 48, 3072] output, projected: diffusers' Linear (weight requiring
     grad) folds them into one product; sglang's Linear (weight not requiring grad) on the same call
     runs a batched one, which on this machine's BLAS gives other bits at this width; the host's
-    `linear` gives diffusers' bits, and the shape of a plain call."""
+    `linear` gives diffusers' bits, and the module's hooks see the input's own [2, 11, 3072] shape."""
     from flux2_fused.models.flux2.sglang import make_host
 
     gen = torch.Generator().manual_seed(0)
@@ -105,10 +105,13 @@ def test_a_projection_of_strided_rows_is_diffusers_product() -> None:
     with torch.no_grad():
         expected = diffusers_linear(rows)
         own = sglang_linear(rows)[0]
+        seen = []
+        sglang_linear.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape))
         ours = make_host().linear(sglang_linear, rows)
     if torch.equal(own, expected):
         pytest.skip("this BLAS gives the batched and the folded product the same bits here")
     assert torch.equal(ours, expected) and ours.shape == (2, N_TXT, 3072)
+    assert seen == [(2, N_TXT, 3072)]
 
 
 class SglangStyleLinear(torch.nn.Module):

@@ -44,17 +44,20 @@ class SglangHost(ModuleHost):
         self.foreign_calls = foreign_calls
 
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The module called on the rows of `x` as one matrix. diffusers' `nn.Linear` holds weights
-        that require grad (as a loaded diffusers model's do), and for those aten's matmul folds a
-        batched input into one matrix product, copying rows that are strided (the text or the image
-        rows of a joint attention output at batch > 1); sglang's weights do not require grad, so the
-        same call there runs a batched product on the strided rows, whose bits differ. A bias-free
-        projection on the folded rows is diffusers' product; so is a biased one on contiguous rows
-        (diffusers adds the bias in the product there too). The binding runs no biased projection on
-        strided rows (`models.flux2.sglang.runs_whole`)."""
-        out = module(x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x)
-        out = out[0] if isinstance(out, tuple) else out
-        return out.view(*x.shape[:-1], out.shape[-1])
+        """The module called on `x` laid out so that its rows fold into one matrix. diffusers'
+        `nn.Linear` holds weights that require grad (as a loaded diffusers model's do, unless
+        `requires_grad_(False)` was called on it), and for those aten's matmul folds a batched input
+        into one matrix product, copying rows that are strided (the text or the image rows of a joint
+        attention output at batch > 1); sglang's weights do not require grad, so on the same strided
+        input its Linear would multiply batch by batch, with other bits. `reshape` then `view` give
+        the same values in foldable strides (copying only where diffusers' fold copies), so sglang's
+        Linear takes diffusers' product, and its hooks still see the [B, S, D] input. That holds for a
+        projection without bias (every FLUX.2 projection) and for a biased one on rows that were
+        foldable already; the binding runs no biased projection on strided rows
+        (`models.flux2.sglang.runs_whole`)."""
+        rows = x.reshape(-1, x.shape[-1]).view(x.shape) if x.dim() > 2 else x
+        out = module(rows)
+        return out[0] if isinstance(out, tuple) else out
 
     def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
         if (
