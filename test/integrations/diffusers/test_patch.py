@@ -5,6 +5,7 @@ with the blocks the patch can vouch for still computed by the package's block co
 from __future__ import annotations
 
 import copy
+import inspect
 import types
 
 import pytest
@@ -901,6 +902,40 @@ def test_enable_afresh_takes_the_blocks_and_disable_restores_them(routes: dict[s
     with torch.inference_mode(), attention_backend("native"):
         model(**_inputs(TINY, "cpu", torch.float32))
     assert routes["double"] == 0 and routes["single"] == 0
+
+
+def test_a_saved_patched_model_loads_patched(routes: Routes, tmp_path) -> None:
+    """torch.save of the whole patched model and torch.load: the loaded model carries its own handle,
+    its blocks point to it, it runs every block on the block code and computes diffusers' output; a
+    block saved on its own carries no model, and runs diffusers' forward."""
+    model = _model()
+    handle = enable(model)
+    torch.save(model, tmp_path / "model.pt")
+    torch.save(model.transformer_blocks[0], tmp_path / "block.pt")
+    handle.disable()
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    copied = loaded._flux2_fused_handle
+    blocks = (*loaded.transformer_blocks, *loaded.single_transformer_blocks)
+    assert copied is not handle and copied.transformer is loaded and copied.method.transformer is loaded
+    assert all(block._flux2_fused_handle() is copied for block in blocks)
+    inputs = _inputs(TINY, "cpu", torch.float32)
+    with torch.inference_mode(), attention_backend("native"):
+        patched = loaded(**inputs).sample
+        counted = (routes["double"], routes["single"])
+        expected = model(**inputs).sample
+    assert counted == (TINY.num_layers, TINY.num_single_layers) and torch.equal(patched, expected)
+    block = torch.load(tmp_path / "block.pt", weights_only=False)
+    assert block._flux2_fused_handle() is None
+    assert (tmp_path / "block.pt").stat().st_size < (tmp_path / "model.pt").stat().st_size / 2
+
+
+def test_the_patched_forward_shows_diffusers_signature() -> None:
+    """A pipeline that inspects `transformer.forward` sees the arguments diffusers' forward takes."""
+    model = _model()
+    before = inspect.signature(model.forward)
+    handle = enable(model)
+    assert inspect.signature(model.forward) == before
+    handle.disable()
 
 
 def test_a_copied_block_does_not_copy_the_model() -> None:

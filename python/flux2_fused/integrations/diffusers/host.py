@@ -159,7 +159,7 @@ class FusedBlockForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         block = self.block
         if not torch.compiler.is_compiling():
-            ref = getattr(block, "_flux2_fused_handle", None)  # a weak reference to the enabling handle
+            ref = getattr(block, "_flux2_fused_handle", None)  # patch.HandleRef to the enabling handle
             handle = ref() if ref is not None else None
             forward = None if handle is None else handle.host.block_forwards.get(type(block))
             out = None if forward is None else forward(block, handle.host, handle.fusion, *args, **kwargs)
