@@ -23,7 +23,8 @@
 # with faulthandler dumping the stacks if it runs past FLOAT8_TIMEOUT seconds (default 240).
 # clocks: `python -m flux2_fused.bench.clocks` (blocks of eager and fused steps with nvidia-smi sampling
 # clocks, power, temperature and clock-event reasons) on CLOCKS_CONFIGS (default klein-4b).
-# script:PATH runs `python3 PATH` (a diagnostic carried in .whl/, say), its output in script.log.
+# script:PATH runs `python3 PATH` (a diagnostic carried in .whl/, say; sglang's files importable after
+# the sglang step), its output in script.log.
 # ab-step:OPTIONS runs `flux2-fused step OPTIONS` on .baseline, then on this tree, into one ab-step.log.
 # The baseline-* steps run the same benchmark from .baseline/python (an earlier tree, e.g.
 # `git archive <commit> python | tar -x -C .baseline`), for before/after numbers in one session; the
@@ -96,7 +97,7 @@ for step in "$@"; do
           --json "$OUT/float8-compile-$size.json" 2>&1 | tail -60 | tee -a "$OUT/float8-compile.log" || rc=1
       done ;;
     clocks) python3 -m flux2_fused.bench.clocks --configs ${CLOCKS_CONFIGS:-klein-4b} --json "$OUT/clocks.json" ${CLOCKS_ARGS:-} 2>&1 | tee "$OUT/clocks.log" || rc=1 ;;
-    script:*) OUT=$OUT python3 ${step#script:} 2>&1 | tee -a "$OUT/script.log" | tail -60 || rc=1 ;;
+    script:*) OUT=$OUT PYTHONPATH=/tmp/sglang:$PYTHONPATH python3 ${step#script:} 2>&1 | tee -a "$OUT/script.log" | tail -60 || rc=1 ;;
     pytest:*) python3 -m pytest -q ${step#pytest:} 2>&1 | tee -a "$OUT/pytest.log" | tail -15 || rc=1 ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac
