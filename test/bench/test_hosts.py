@@ -101,3 +101,20 @@ def test_the_quantized_diffusers_host_switches_with_the_same_output(double_block
         hosts.use_fused(model, True)
         fused = model(**inputs, return_dict=False)[0]
     assert torch.equal(fused, plain) and len(double_blocks) == TINY.num_layers
+
+
+def test_quantizing_leaves_inductors_settings() -> None:
+    """torchao's configs would turn on Inductor's coordinate-descent autotuning (minutes a compiled
+    float8 step); the benchmark's quantization leaves Inductor's settings as they were."""
+    pytest.importorskip("torchao")
+    import torch._inductor.config as inductor
+
+    from flux2_fused.bench import hosts
+    from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
+
+    model = hosts.diffusers_model(Flux2Transformer.random(Flux2Config.preset("tiny"), seed=0))
+    before = inductor.coordinate_descent_tuning
+    hosts.quantize(model, "int8")
+    assert inductor.coordinate_descent_tuning == before
+    weight = model.transformer_blocks[0].attn.to_q.weight
+    assert type(weight) is not torch.nn.Parameter  # a torchao quantized tensor
