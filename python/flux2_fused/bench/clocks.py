@@ -30,6 +30,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from .report import markdown_table
+
 # nvidia-smi's clock-event reason bits (nvmlClocksEventReasons).
 REASONS = {
     0x1: "idle",
@@ -146,8 +148,6 @@ def summarize(mode: str, steps: int, step_ms: float, samples: Sequence[Sample]) 
 
 def format_blocks(config: str, blocks: Sequence[Block]) -> str:
     """One row a block, in run order."""
-    from .report import markdown_table
-
     headers = ["config", "block", "mode", "ms a step", "SM MHz median (min-max)", "mem MHz", "W", "C"]
     rows = [
         [

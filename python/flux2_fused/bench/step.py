@@ -113,14 +113,19 @@ def breakdown_of(kernels: Iterable[tuple[str, float]]) -> Breakdown:
     return Breakdown(kernel_ms=kernel_ms, launches=launches)
 
 
-def kernel_breakdown(fn: Callable[[], object]) -> Breakdown:
-    """The CUDA kernels (and device memcpy / memset, counted as other) that one call of `fn` runs,
-    by class, from torch.profiler: the launch counts and the time split come from the same step."""
+def cuda_events(fn: Callable[[], object]) -> list:
+    """The GPU's kernels, copies and memsets that `fn()` runs, as torch.profiler records them
+    (waited for before the profile ends)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return breakdown_of((e.name, e.time_range.elapsed_us()) for e in kernels)
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_breakdown(fn: Callable[[], object]) -> Breakdown:
+    """The CUDA kernels (and device memcpy / memset, counted as other) that one call of `fn` runs,
+    by class, from torch.profiler: the launch counts and the time split come from the same step."""
+    return breakdown_of((e.name, e.time_range.elapsed_us()) for e in cuda_events(fn))
 
 
 def step_inputs(
@@ -198,12 +203,8 @@ def pipelined_busy_pct(step: Callable[[], object], steps: int = 5) -> float:
     ahead when the profile starts), from torch.profiler's record of every kernel, copy and memset:
     below 100% the GPU waited for the host between them."""
     step()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    cuda = torch.autograd.DeviceType.CUDA
-    return busy_pct((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == cuda)
+    events = cuda_events(lambda: [step() for _ in range(steps)])
+    return busy_pct((e.time_range.start, e.time_range.end) for e in events)
 
 
 class Subject:
@@ -344,7 +345,9 @@ def bench_size(
         if graph:
             runs["graph"] = captured(runs["fused"])
             outputs["graph"] = runs["graph"]()
-        synchronized = Timing.of(time_synchronized(run, steps, subject.switch))
+        # Compiled, each mode's runner sets its own mode (the diffusers host's twins need no switch).
+        switch = None if compile_both else subject.switch
+        synchronized = Timing.of(time_synchronized(run, steps, switch))
         if len(runs) > 2:
             times = pipelined_ms(lambda mode: runs[mode](), rotated_order(list(runs), steps))
             pipelined = Timing.of({False: times["eager"], True: times["fused"]})

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
-import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +22,7 @@ import torch
 from torch import nn
 
 from ...host import Attention, ModuleHost, output_dropout_inactive
+from .slots import class_forward_signature
 
 # The attention of a processor on the block code's q, k, v, or None where its own call must run:
 # (host, processor, the call's attention options, the joint rows that are text) -> Attention | None.
@@ -154,7 +153,7 @@ class FusedBlockForward:
 
     def __init__(self, block: nn.Module) -> None:
         self.block = block
-        self.__signature__ = inspect.signature(types.MethodType(type(block).forward, block))
+        self.__signature__ = class_forward_signature(block)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         block = self.block

@@ -8,8 +8,6 @@ alone carries its patch; a block saved alone carries none, so its forward is dif
 from __future__ import annotations
 
 import copy
-import inspect
-import types
 import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -21,7 +19,7 @@ from ...host import qualified_name
 from ...models.deferral import Fusion
 from .host import DiffusersHost, FusedBlockForward
 from .registry import FAMILIES, binding_for
-from .slots import forward_slots, install, uninstall
+from .slots import class_forward_signature, forward_slots, install, uninstall
 from .version import check_version
 
 
@@ -58,7 +56,7 @@ class FusedForward:
 
     def __init__(self, transformer: nn.Module) -> None:
         self.transformer = transformer
-        self.__signature__ = inspect.signature(types.MethodType(type(transformer).forward, transformer))
+        self.__signature__ = class_forward_signature(transformer)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return _fused_forward(self.transformer, *args, **kwargs)

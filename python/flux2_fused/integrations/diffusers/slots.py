@@ -8,6 +8,7 @@ first. The transformer and each of its blocks are patched this way.
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -26,6 +27,13 @@ def forward_slots(module: nn.Module) -> list[tuple[Any, str]]:
         # A hook with its own `new_forward` keeps what it calls in `original_forward`.
         slots += [(ref, "forward"), (ref, "original_forward")]
     return [(holder, name) for holder, name in slots if getattr(holder, name, None) is not None]
+
+
+def class_forward_signature(module: nn.Module) -> inspect.Signature:
+    """The signature of the module's class forward bound to it: what a fused forward object shows,
+    for callers that inspect the forward (pipelines checking its arguments, cache-dit matching
+    blocks)."""
+    return inspect.signature(types.MethodType(type(module).forward, module))
 
 
 def binds_class_forward(fn: Any, module: nn.Module) -> bool:
