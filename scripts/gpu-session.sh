@@ -3,7 +3,8 @@
 #   scripts/gpu-session.sh [ops-tests] [model-tests] [verify] [kernel-bench] [step-bench]
 #                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
 #                          [baseline-kernel-bench] [baseline-step-bench] [parallel-bench] [pytest:ARGS]
-#                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang] [scan] [float8-compile] [clocks] [script:PATH]
+#                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang] [scan] [float8-compile] [clocks]
+#                          [script:PATH ARGS] [step:OPTIONS]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
 # pipeline-bench: a Flux2KleinPipeline call (klein-4b, 1024 px, 8 steps, CFG, VAE decode) alone vs enable();
@@ -17,9 +18,10 @@
 # bundle-check: scripts/bundle/run.sh (the prebuilt wheel in .whl/bundle/, toolkit hidden);
 # sglang: sglang's DiT files (.whl/sglang/sglang-slim.tgz, made by sglang-slim.sh) and the small wheels
 # it imports (.whl/sglang/*.whl), its GPU tests, then `python -m flux2_fused.bench.sglang`.
-# scan: `step --sizes ... --batch ... --vs-compile --plot` for each of SCAN_CONFIGS (default klein-4b;
-# SCAN_SIZES, SCAN_BATCHES, SCAN_STEPS and SCAN_ARGS, e.g. "--host diffusers", override), a JSON and a
-# PNG each; float8-compile: the compiled torchao float8 step of klein-4b at 512x512 then 1024x1024,
+# scan: `step --sizes ... --batch ... --vs-compile --graph --floor --plot` for each of SCAN_CONFIGS
+# (default klein-4b; SCAN_SIZES, SCAN_BATCHES, SCAN_STEPS, SCAN_COMPILE (eager or both) and SCAN_ARGS,
+# e.g. "--host diffusers", override), a JSON and a PNG each; step:OPTIONS: `flux2-fused step OPTIONS`,
+# its JSON and log numbered; float8-compile: the compiled torchao float8 step of klein-4b at 512x512 then 1024x1024,
 # with faulthandler dumping the stacks if it runs past FLOAT8_TIMEOUT seconds (default 240).
 # clocks: `python -m flux2_fused.bench.clocks` (blocks of eager and fused steps with nvidia-smi sampling
 # clocks, power, temperature and clock-event reasons) on CLOCKS_CONFIGS (default klein-4b).
@@ -88,7 +90,8 @@ for step in "$@"; do
     scan)
       for config in ${SCAN_CONFIGS:-klein-4b}; do
         step_bench "scan-$config" --configs "$config" --sizes ${SCAN_SIZES:-512x512 768x768 1024x1024 1360x768 1536x1536 2048x2048} \
-          --batch ${SCAN_BATCHES:-1 4} --steps ${SCAN_STEPS:-3} --vs-compile --graph --plot "$OUT/scan-$config.png" ${SCAN_ARGS:-} || rc=1
+          --batch ${SCAN_BATCHES:-1 4} --steps ${SCAN_STEPS:-3} --vs-compile ${SCAN_COMPILE:-eager} --graph --floor \
+          --plot "$OUT/scan-$config.png" ${SCAN_ARGS:-} || rc=1
       done ;;
     float8-compile)
       for size in 512x512 1024x1024; do
@@ -98,6 +101,9 @@ for step in "$@"; do
       done ;;
     clocks) python3 -m flux2_fused.bench.clocks --configs ${CLOCKS_CONFIGS:-klein-4b} --json "$OUT/clocks.json" ${CLOCKS_ARGS:-} 2>&1 | tee "$OUT/clocks.log" || rc=1 ;;
     script:*) OUT=$OUT PYTHONPATH=/tmp/sglang:$PYTHONPATH python3 ${step#script:} 2>&1 | tee -a "$OUT/script.log" | tail -60 || rc=1 ;;
+    step:*)  # the step benchmark with these options, a JSON and log numbered in run order
+      runs=$((${runs:-0} + 1))
+      step_bench "step-$runs" ${step#step:} || rc=1 ;;
     pytest:*) python3 -m pytest -q ${step#pytest:} 2>&1 | tee -a "$OUT/pytest.log" | tail -15 || rc=1 ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac

@@ -55,9 +55,13 @@ def test_the_table_has_a_row_a_block() -> None:
 
 @pytest.mark.gpu
 def test_blocks_on_the_gpu() -> None:
-    """Two short blocks of klein-4B: each has readings, a clock and a step time."""
+    """Four short blocks of klein-4B, the three modes taking turns: each has readings, a clock and a
+    step time, the GEMMs and attention alone the shortest."""
     from flux2_fused.bench.clocks import run_blocks
 
-    blocks = run_blocks("klein-4b", "package", blocks=2, steps=5, interval_ms=20)
-    assert [b.mode for b in blocks] == ["eager", "fused"]
+    blocks = run_blocks(
+        "klein-4b", "package", blocks=4, steps=5, interval_ms=20, modes=("eager", "fused", "floor")
+    )
+    assert [b.mode for b in blocks] == ["eager", "fused", "floor", "eager"]
+    assert blocks[2].step_ms < blocks[1].step_ms < blocks[0].step_ms
     assert all(b.samples > 0 and b.sm_mhz_median > 0 and b.step_ms > 0 for b in blocks)

@@ -157,20 +157,31 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
         busy_pct={"eager": 96.84, "fused": 99.12, "compiled": 98.5},
         compiled_ms=11.0,
         compiled_sha256="d" * 64,
+        compiled_fused_ms=10.0,
+        compiled_fused_sha256="e" * 64,
         graph_ms=8.0,
         graph_bit_exact=True,
+        floor_ms=8.0,
+        floor_profile=Breakdown(
+            {"gemm": 6.25, "attention": 2.0, "fused": 0.0, "collective": 0.0, "other": 0.0},
+            {"gemm": 500, "attention": 50, "fused": 0, "collective": 0, "other": 0},
+        ),
     )
     table = format_step_table([step, on_diffusers, scanned], "NVIDIA H200", "2.11.0")
     timings, breakdown = table.split("\n\n")
     assert "eager = diffusers' own forward, fused = enable(model)" in timings
-    assert _table_widths(timings) == {18}
-    assert "| klein-4b | package | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% | - | - | - |" in timings
+    assert _table_widths(timings) == {20}
+    assert (
+        "| klein-4b | package | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% | - | - | - | - | - |"
+        in timings
+    )
     assert "| klein-4b | diffusers (LoRA r16, model offload) | 1 | 4096+512 | synchronized |" in timings
     assert (
         "| klein-4b | package | 4 | 1360x768 (4080+512) | pipelined | 11.00 | 10.00 | +10.0% "
-        "| 11.00 (+10.0%) | 8.00 (+25.0%), bit-exact | eager 96.8 / fused 99.1 / compiled 98.5 |" in timings
+        "| 11.00 (+10.0%) | 10.00 (+10.0%) | 8.00 (+25.0%), bit-exact | 8.00 (+25.0%) "
+        "| eager 96.8 / fused 99.1 / compiled 98.5 |" in timings
     )
-    assert "| 1360x768 (4080+512) | synchronized | 11.00 | 10.00 | +10.0% | - | - | - |" in timings
+    assert "| 1360x768 (4080+512) | synchronized | 11.00 | 10.00 | +10.0% | - | - | - | - | - |" in timings
     assert _table_widths(breakdown) == {13}
     assert (
         "| klein-4b | package | 1 | 4096+512 | eager | 1256 | 6.50 (500) | 2.25 (50) | 0.00 (0) | 0.00 (0) "
@@ -182,6 +193,11 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     )
     assert "| klein-4b | diffusers (LoRA r16, model offload) | 1 | 4096+512 | fused | 1052 |" in breakdown
     assert "| klein-4b | package | 4 | 1360x768 (4080+512) | fused | 1052 |" in breakdown
+    assert (
+        "| klein-4b | package | 4 | 1360x768 (4080+512) | GEMM + attention alone | 550 | 6.25 (500) "
+        "| 2.00 (50) | 0.00 (0) | 0.00 (0) | 0.00 (0) | 8.25 |" in breakdown
+    )
+    assert breakdown.count("GEMM + attention alone") == 1
     assert "diffusers' own forward" not in format_step_table([step], "NVIDIA H200", "2.11.0")
     calls = PipelineResult(
         "klein-4b", 1024, 1024, 8, 4.0, 512, 2, "magcache", 500, "0.42.1", timing, "b" * 64, "c" * 64, False
@@ -276,6 +292,8 @@ def test_the_size_plot_draws_every_config(tmp_path: Path) -> None:
             width=side,
             height=side,
             compiled_ms=10.5,
+            compiled_fused_ms=10.0,
+            floor_ms=8.5,
         )
         for config in ("klein-4b", "dev")
         for batch in (1, 4)
@@ -295,16 +313,32 @@ def test_a_scan_row_on_the_gpu() -> None:
 
     subject = Subject("klein-4b", "package", None, "none", "none")
     rows = [
-        bench_size(subject, 2, 2, (w // 16) * (h // 16), 32, (w, h), vs_compile=extra, graph=extra)
+        bench_size(
+            subject,
+            2,
+            2,
+            (w // 16) * (h // 16),
+            32,
+            (w, h),
+            vs_compile="both" if extra else None,
+            graph=extra,
+            floor=extra,
+        )
         for (w, h), extra in (((256, 256), False), ((512, 256), True))
     ]
     assert all(r.bit_exact and r.fused_kernel_launches == 96 for r in rows)
     assert [(r.width, r.height, r.img_tokens) for r in rows] == [(256, 256, 256), (512, 256, 512)]
     assert set(rows[0].busy_pct) == {"eager", "fused"} and rows[0].compiled_ms is None
-    assert set(rows[1].busy_pct) == {"eager", "fused", "compiled", "graph"} and rows[1].compiled_ms > 0
+    modes = {"eager", "fused", "compiled", "compiled-fused", "graph", "floor"}
+    assert set(rows[1].busy_pct) == modes and rows[1].compiled_ms > 0 and rows[1].compiled_fused_ms > 0
     assert rows[1].graph_bit_exact and rows[1].graph_ms > 0 and rows[0].graph_ms is None
     assert all(0 < pct <= 100 for r in rows for pct in r.busy_pct.values())
-    assert rows[1].compiled_sha256 is not None
+    assert rows[1].compiled_sha256 is not None and rows[1].compiled_fused_sha256 is not None
+    # The floor replays the fused step's GEMMs and attention: the same launches, nothing else.
+    floor, fused = rows[1].floor_profile, rows[1].fused_profile
+    assert rows[0].floor_ms is None and 0 < rows[1].floor_ms < rows[1].pipelined.fused_ms
+    assert floor.launches["gemm"] == fused.launches["gemm"] and floor.launches["fused"] == 0
+    assert floor.launches["attention"] == fused.launches["attention"]
 
 
 def test_compiled_modes_switch_without_recompiling(monkeypatch: pytest.MonkeyPatch) -> None:

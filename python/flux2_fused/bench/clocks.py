@@ -1,7 +1,8 @@
 """The GPU's clocks, power, temperature and clock-limit reasons while eager and fused steps run.
 
     python -m flux2_fused.bench.clocks [--configs klein-4b] [--host package|diffusers] [--blocks 6]
-                                       [--steps 30] [--interval-ms 20] [--json FILE]
+                                       [--modes eager fused [floor]] [--steps 30]
+                                       [--interval-ms 20] [--json FILE]
 
 Why: sustained fused steps take longer than the sum of their kernels measured alone, and an earlier
 sampling saw the SM clock lower during fused steps than during eager ones at lower power. Whether
@@ -9,13 +10,15 @@ something of ours lowers the clock (the power or occupancy profile of the fused 
 GEMMs) or the machine does, shows in what the driver reports while each mode runs.
 
 Each config's model (`step.Subject`) runs blocks of `--steps` pipelined 1024x1024 steps of one mode,
-eager and fused alternating, after a warm-up of both and an unreported lead-in block of fused steps
-while the sampler runs (so every reported block follows a block of the other mode, none an idle
-GPU). Meanwhile `nvidia-smi` samples the GPU every `--interval-ms`: SM and memory clock, power,
-temperature and the active clock-event reasons (the driver's bitmask of why the clock is below its
-maximum: power cap, thermal slowdown, ...). Each block reports its step time (CUDA events around the
-block, divided by its steps) and its samples' median, minimum and maximum SM clock, median power,
-last temperature, and the share of samples in which each reason was active.
+the modes taking turns (eager and fused; `--modes eager fused floor` adds the fused step's GEMMs and
+attention alone, `bench.floor`: whether those kernels alone run at the fused step's clock), after a
+warm-up and an unreported lead-in block of the last mode while the sampler runs (so every reported
+block follows a block of another mode, none an idle GPU). Meanwhile `nvidia-smi` samples the GPU
+every `--interval-ms`: SM and memory clock, power, temperature and the active clock-event reasons
+(the driver's bitmask of why the clock is below its maximum: power cap, thermal slowdown, ...).
+Each block reports its step time (CUDA events around the block, divided by its steps) and its
+samples' median, minimum and maximum SM clock, median power, last temperature, and the share of
+samples in which each reason was active.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from .report import markdown_table
@@ -51,6 +54,9 @@ POWER_FIELDS = ("power.draw.instant", "power.draw")
 # The reasons' field: its name since driver 535, and the older one.
 REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
 TIMESTAMP = "%Y/%m/%d %H:%M:%S.%f"
+# The blocks' modes: diffusers' or the package's eager step, the fused step, and the fused step's
+# GEMM and attention calls alone (`bench.floor`), which shows the clock those kernels run at alone.
+MODES = ("eager", "fused", "floor")
 
 
 @dataclass
@@ -93,7 +99,7 @@ def reason_names(mask: int) -> list[str]:
 class Block:
     """One block of steps of one mode and what the GPU reported meanwhile.
 
-    - mode: "eager" or "fused"
+    - mode: "eager", "fused" or "floor"
     - steps: steps in the block
     - step_ms: the block's GPU time (CUDA events around it) divided by its steps
     - samples: nvidia-smi readings taken during the block
@@ -206,29 +212,41 @@ class Sampler:
         return samples
 
 
-def run_blocks(config: str, host: str, blocks: int, steps: int, interval_ms: int) -> list[Block]:
-    """The blocks of one config (see the module docstring)."""
+def run_blocks(
+    config: str, host: str, blocks: int, steps: int, interval_ms: int, modes: Sequence[str] = MODES
+) -> list[Block]:
+    """The blocks of one config (see the module docstring), `modes` taking turns."""
+    import functools
+
     import torch
 
+    from .floor import floor_step
     from .step import Subject
     from .timing import event_ms
 
     subject = Subject(config, host, None, "none", "none")
     run = subject.runner(subject.inputs(1, 4096, 512, 64))
+    steps_of: dict[str, Callable[[], object]] = {
+        "eager": functools.partial(run, False),
+        "fused": functools.partial(run, True),
+    }
     uuid = torch.cuda.get_device_properties(torch.cuda.current_device()).uuid
     sampler = Sampler(f"GPU-{uuid}", interval_ms)
     spans = []
     with torch.inference_mode():
-        for fused in (False, True):  # warm-up; the fused one self-checks
-            run(fused)
+        for mode in ("eager", "fused"):  # warm-up; the fused one self-checks
+            steps_of[mode]()
+        if "floor" in modes:
+            steps_of["floor"] = floor_step(steps_of["fused"], subject.model)
         sampler.start()
-        for i in range(-1, blocks):  # block -1: the unreported lead-in
-            fused = i % 2 == 1 or i < 0
-            subject.switch(fused)
+        for i in range(-1, blocks):  # block -1: the unreported lead-in, of the last mode
+            mode = modes[i % len(modes)]
+            if mode != "floor":
+                subject.switch(mode == "fused")
             torch.cuda.synchronize()
             begin = time.time()
-            _, ms = event_ms(lambda fused=fused: [run(fused) for _ in range(steps)])
-            spans.append(("fused" if fused else "eager", begin, time.time(), ms / steps))
+            _, ms = event_ms(lambda step=steps_of[mode]: [step() for _ in range(steps)])
+            spans.append((mode, begin, time.time(), ms / steps))
         samples = sampler.stop()
     return [
         summarize(mode, steps, step_ms, [s for s in samples if begin <= s.time <= end])
@@ -242,14 +260,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--configs", nargs="+", default=["klein-4b"], help="step presets (default klein-4b)")
     parser.add_argument("--host", choices=("package", "diffusers"), default="package")
-    parser.add_argument("--blocks", type=int, default=6, help="blocks of steps, eager and fused alternating")
+    parser.add_argument("--blocks", type=int, default=6, help="blocks of steps, the modes taking turns")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=["eager", "fused"],
+        help="the modes taking turns (default eager fused); floor: the fused step's GEMM and attention "
+        "calls alone, replayed from a CUDA graph (bench.floor)",
+    )
     parser.add_argument("--steps", type=int, default=30, help="pipelined steps a block (default 30)")
     parser.add_argument("--interval-ms", type=int, default=20, help="nvidia-smi's sampling period")
     parser.add_argument("--json", help="write the blocks to this file")
     args = parser.parse_args(argv)
     results = {}
     for config in args.configs:
-        results[config] = run_blocks(config, args.host, args.blocks, args.steps, args.interval_ms)
+        results[config] = run_blocks(config, args.host, args.blocks, args.steps, args.interval_ms, args.modes)
         print(format_blocks(config, results[config]))
     if args.json:
         with open(args.json, "w") as f:

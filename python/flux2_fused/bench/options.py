@@ -112,15 +112,23 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--vs-compile",
-        action="store_true",
-        help="also torch.compile(model) of the eager forward, pipelined in turn with eager and fused, "
-        "its time and output hash beside theirs",
+        nargs="?",
+        const="eager",
+        choices=("eager", "both"),
+        help="also torch.compile(model) of the eager forward (and with 'both' of the fused one), "
+        "pipelined in turn with eager and fused, its time and output hash beside theirs",
     )
     parser.add_argument(
         "--graph",
         action="store_true",
         help="also the fused step captured in a CUDA graph and replayed, pipelined in turn with eager and "
         "fused: the step without the host's launch work, its bits compared with eager's",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also the step's GEMM and attention calls alone, replayed from a CUDA graph, pipelined in "
+        "turn with eager and fused: the time no exact step can go below on this GPU",
     )
     parser.add_argument(
         "--host",

@@ -16,7 +16,13 @@ from pathlib import Path
 from ..errors import CommandError
 from .report import MODES, SITES, BenchReport, StepResult, speedup_text
 
-COLORS = {"eager": "tab:gray", "fused": "tab:blue", "compiled": "tab:orange"}
+COLORS = {
+    "eager": "tab:gray",
+    "fused": "tab:blue",
+    "compiled": "tab:orange",
+    "compiled + fused": "tab:red",
+    "GEMM + attention alone": "black",
+}
 BATCH_STYLES = ("o-", "s--", "^:", "d-.")
 
 
@@ -81,8 +87,12 @@ def save_step_plot(results: Sequence[StepResult], path: Path) -> None:
                 "eager": [r.pipelined.eager_ms for r in line],
                 "fused": [r.pipelined.fused_ms for r in line],
             }
-            if all(r.compiled_ms is not None for r in line):
-                series["compiled"] = [r.compiled_ms for r in line]
+            optional = {
+                "compiled": [r.compiled_ms for r in line],
+                "compiled + fused": [r.compiled_fused_ms for r in line],
+                "GEMM + attention alone": [r.floor_ms for r in line],
+            }
+            series |= {mode: ms for mode, ms in optional.items() if None not in ms}
             for mode, ms in series.items():
                 ax.plot(megapixels, ms, style, color=COLORS[mode], label=f"{mode}, batch {batch}")
         ax.set(xlabel="megapixels a sample", ylabel="ms a step (pipelined)", title=config, yscale="log")

@@ -305,10 +305,19 @@ class StepResult:
     - compiled_ms: with --vs-compile, the median pipelined step of torch.compile(model) running the
       eager forward, timed in turn with the eager and fused steps of `pipelined`; else null
     - compiled_sha256: SHA-256 of that compiled step's output (Inductor's bits, not eager's), or null
+    - compiled_fused_ms: with --vs-compile both, the median pipelined step of torch.compile(model)
+      running the fused forward (its sites flux2_fused operators), timed in turn with the others; else
+      null
+    - compiled_fused_sha256: SHA-256 of that step's output, or null
     - graph_ms: with --graph, the median pipelined step of the fused step captured in a CUDA graph and
       replayed, timed in turn with the eager and fused steps of `pipelined`; else null
     - graph_bit_exact: with --graph, whether the replayed step's output equals the eager step's; else
       null
+    - floor_ms: with --floor, the median pipelined replay (a CUDA graph) of the fused step's GEMM and
+      attention calls alone, timed in turn with the others: what no exact step can go below
+      (`bench.floor`); else null
+    - floor_profile: with --floor, the Breakdown of one such replay (its GEMM and attention kernel
+      time should match the fused step's); else null
     """
 
     config: str
@@ -336,8 +345,12 @@ class StepResult:
     busy_pct: dict[str, float] = field(default_factory=dict)
     compiled_ms: float | None = None
     compiled_sha256: str | None = None
+    compiled_fused_ms: float | None = None
+    compiled_fused_sha256: str | None = None
     graph_ms: float | None = None
     graph_bit_exact: bool | None = None
+    floor_ms: float | None = None
+    floor_profile: Breakdown | None = None
 
     @property
     def size_label(self) -> str:
@@ -393,7 +406,9 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
         "fused ms",
         "speedup",
         "compiled ms (fused vs it)",
+        "compiled + fused ms (vs compiled)",
         "CUDA graph ms (vs fused)",
+        "GEMM + attention alone ms (fused above it)",
         "GPU busy %",
         "paired gain ms (95% CI)",
         "fused won",
@@ -407,13 +422,17 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
         sha = r.fused_sha256[:16] if r.bit_exact else f"{r.eager_sha256[:12]} / {r.fused_sha256[:12]}"
         for label, t in (("synchronized", r.synchronized), ("pipelined", r.pipelined)):
             pipelined = label == "pipelined"
-            compiled = "-"
+            compiled = compiled_fused = graph = floor = "-"
             if pipelined and r.compiled_ms is not None:
                 compiled = f"{r.compiled_ms:.2f} ({speedup_text(100 * (r.compiled_ms / t.fused_ms - 1))})"
-            graph = "-"
+            if pipelined and r.compiled_fused_ms is not None and r.compiled_ms is not None:
+                gain = speedup_text(100 * (r.compiled_ms / r.compiled_fused_ms - 1))
+                compiled_fused = f"{r.compiled_fused_ms:.2f} ({gain})"
             if pipelined and r.graph_ms is not None:
                 exact = "bit-exact" if r.graph_bit_exact else "NOT bit-exact"
                 graph = f"{r.graph_ms:.2f} ({speedup_text(100 * (t.fused_ms / r.graph_ms - 1))}), {exact}"
+            if pipelined and r.floor_ms is not None:
+                floor = f"{r.floor_ms:.2f} ({100 * (t.fused_ms / r.floor_ms - 1):+.1f}%)"
             busy = " / ".join(f"{m} {pct:.1f}" for m, pct in r.busy_pct.items()) if pipelined else "-"
             rows.append(
                 [
@@ -426,7 +445,9 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
                     f"{t.fused_ms:.2f}",
                     speedup_text(t.speedup_pct),
                     compiled,
+                    compiled_fused,
                     graph,
+                    floor,
                     busy or "-",
                     f"{t.paired_diff_ms:+.2f} +- {t.paired_ci95_ms:.2f}",
                     f"{t.fused_won}/{r.steps}",
@@ -445,7 +466,10 @@ def format_breakdown_table(results: Sequence[StepResult]) -> str:
     headers = ["config", "host", "B", "size", "mode", "kernels", *_breakdown_headers()]
     rows = []
     for r in results:
-        for mode, b in (("eager", r.eager_profile), ("fused", r.fused_profile)):
+        profiles = [("eager", r.eager_profile), ("fused", r.fused_profile)]
+        if r.floor_profile is not None:
+            profiles.append(("GEMM + attention alone", r.floor_profile))
+        for mode, b in profiles:
             shape = [r.batch, r.size_label]
             rows.append([r.config, r.host_label, *shape, mode, b.total_launches, *_breakdown_cells(b)])
     note = "(kernel time of one profiled step by kernel class, torch.profiler; the total is their sum)"

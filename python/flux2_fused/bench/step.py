@@ -1,7 +1,8 @@
 """Whole-transformer benchmark: one denoise step (one forward), eager vs fused, at each size and batch.
 
     flux2-fused step [--configs dev klein-4b] [--sizes WxH ...] [--batch N ...] [--steps N]
-                     [--compile | --vs-compile] [--json FILE] [--plot FILE.png]
+                     [--compile | --vs-compile [eager|both] --graph --floor]
+                     [--json FILE] [--plot FILE.png]
                      [--host package|diffusers] [--lora R] [--offload none|model|group]
                      [--quantize none|float8-row|float8-tensor|int8]
 
@@ -32,7 +33,11 @@ it shows how much of a step the fused ops can touch at all, GEMM and attention b
 Each mode's GPU busy % comes from a few pipelined steps under torch.profiler (`pipelined_busy_pct`):
 the share of their span the GPU spent in a kernel, copy or memset; below 100 it waited for the host.
 With --vs-compile a third mode, `torch.compile(model)` running the eager forward, takes turns with
-eager and fused in the pipelined timing: the three in one run, the compiled output's hash reported.
+eager and fused in the pipelined timing: the three in one run, the compiled output's hash reported;
+`--vs-compile both` adds a fourth, the compiled fused forward (its sites flux2_fused operators).
+--graph adds the fused step replayed from a CUDA graph (its output compared with eager's), --floor
+the step's GEMM and attention calls alone, replayed from a CUDA graph (`bench.floor`): the time no
+exact step can go below under the same clocks, each in turn with the rest.
 --plot draws the pipelined step time of each mode against size, a panel a config.
 
 With --compile both modes run through `torch.compile(model)` (one compiled graph per mode; on the
@@ -65,6 +70,7 @@ from torch.profiler import ProfilerActivity, profile
 from ..errors import BadValue, CommandError
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from . import flux1, hosts
+from .floor import floor_step
 from .options import PX_PER_TOKEN, require_at_least_one
 from .report import (
     KERNEL_CLASSES,
@@ -322,14 +328,17 @@ def bench_size(
     txt_tokens: int,
     size: tuple[int, int] | None = None,
     compile_both: bool = False,
-    vs_compile: bool = False,
+    vs_compile: str | None = None,
     graph: bool = False,
+    floor: bool = False,
     options: dict[str, Any] | None = None,
 ) -> StepResult:
     """One (batch, size) of a subject: eager and fused interleaved (synchronized, then pipelined,
-    in turn with torch.compile of the eager forward with `vs_compile` and with the fused step
-    replayed from a CUDA graph with `graph`), their kernel breakdowns and each mode's GPU busy %;
-    `size` (width, height) pixels gives `img_tokens` their layout."""
+    in turn with the other modes asked for: torch.compile of the eager forward with `vs_compile`
+    "eager", and of the fused one too with "both"; the fused step replayed from a CUDA graph with
+    `graph`; its GEMM and attention calls alone with `floor`, `bench.floor`), their kernel
+    breakdowns and each mode's GPU busy %; `size` (width, height) pixels gives `img_tokens` their
+    layout."""
     width_tokens = None if size is None else size[0] // PX_PER_TOKEN
     inputs = subject.inputs(batch, img_tokens, txt_tokens, width_tokens)
     run = subject.compiled_runner(inputs) if compile_both else subject.runner(inputs)
@@ -337,14 +346,19 @@ def bench_size(
         "eager": functools.partial(run, False),
         "fused": functools.partial(run, True),
     }
-    if vs_compile:
-        runs["compiled"] = functools.partial(subject.compiled_runner(inputs), False)
+    if vs_compile is not None:
+        compiled = subject.compiled_runner(inputs)
+        runs["compiled"] = functools.partial(compiled, False)
+        if vs_compile == "both":
+            runs["compiled-fused"] = functools.partial(compiled, True)
 
     with torch.inference_mode():
         outputs = {mode: step() for mode, step in runs.items()}  # warm-up; the fused one self-checks
         if graph:
             runs["graph"] = captured(runs["fused"])
             outputs["graph"] = runs["graph"]()
+        if floor:
+            runs["floor"] = floor_step(runs["fused"], subject.model)
         # Compiled, each mode's runner sets its own mode (the diffusers host's twins need no switch).
         switch = None if compile_both else subject.switch
         synchronized = Timing.of(time_synchronized(run, steps, switch))
@@ -355,7 +369,15 @@ def bench_size(
             times, pipelined = {}, Timing.of(time_pipelined(run, steps))
         eager_profile = kernel_breakdown(runs["eager"])
         fused_profile = kernel_breakdown(runs["fused"])
+        floor_profile = kernel_breakdown(runs["floor"]) if floor else None
         busy = {mode: pipelined_busy_pct(step) for mode, step in runs.items()}
+
+    def median(mode: str) -> float | None:
+        return statistics.median(times[mode]) if mode in times else None
+
+    def sha256(mode: str) -> str | None:
+        return tensor_sha256(outputs[mode]) if mode in outputs else None
+
     return StepResult(
         config=subject.name,
         batch=batch,
@@ -376,10 +398,14 @@ def bench_size(
         width=None if size is None else size[0],
         height=None if size is None else size[1],
         busy_pct=busy,
-        compiled_ms=statistics.median(times["compiled"]) if vs_compile else None,
-        compiled_sha256=tensor_sha256(outputs["compiled"]) if vs_compile else None,
-        graph_ms=statistics.median(times["graph"]) if graph else None,
+        compiled_ms=median("compiled"),
+        compiled_sha256=sha256("compiled"),
+        compiled_fused_ms=median("compiled-fused"),
+        compiled_fused_sha256=sha256("compiled-fused"),
+        graph_ms=median("graph"),
         graph_bit_exact=torch.equal(outputs["graph"], outputs["eager"]) if graph else None,
+        floor_ms=median("floor"),
+        floor_profile=floor_profile,
         **(options or {}),
     )
 
@@ -402,8 +428,10 @@ def check(args: argparse.Namespace) -> None:
             "--lora": args.lora,
         }
     )
-    if args.compile and (args.vs_compile or args.graph):
-        raise BadValue("--compile compiles both modes; --vs-compile and --graph add modes to eager and fused")
+    if args.compile and (args.vs_compile or args.graph or args.floor):
+        raise BadValue(
+            "--compile compiles both modes; --vs-compile, --graph and --floor add modes to eager and fused"
+        )
     if args.host == "package":
         flux1_configs = [name for name in args.configs if flux1.is_flux1(name)]
         if flux1_configs:
@@ -412,8 +440,10 @@ def check(args: argparse.Namespace) -> None:
         if args.lora is not None or args.offload != "none" or args.quantize != "none":
             raise BadValue("--lora, --offload and --quantize apply to --host diffusers")
         return
-    if args.graph and args.offload != "none":
-        raise BadValue("--graph captures a step on the GPU: without --offload, which moves weights in it")
+    if (args.graph or args.floor) and args.offload != "none":
+        raise BadValue(
+            "--graph and --floor capture a step on the GPU: without --offload, which moves weights in it"
+        )
     if (args.compile or args.vs_compile) and (args.lora is not None or args.offload != "none"):
         raise BadValue(
             "--compile and --vs-compile on --host diffusers take --quantize, not --lora or --offload"
@@ -456,6 +486,7 @@ def run(args: argparse.Namespace) -> int:
                     compile_both=args.compile,
                     vs_compile=args.vs_compile,
                     graph=args.graph,
+                    floor=args.floor,
                     options=options,
                 )
                 results.append(result)

@@ -1,0 +1,112 @@
+"""A step's floor: its GEMMs and attention alone, replayed from a CUDA graph.
+
+Why: an exact fused step keeps every matrix product and the attention call exactly as eager runs
+them (another GEMM kernel or reduction order changes the bits), and replaces only the work between
+them. So the time of those calls alone, on the same GPU under the same clocks and power limit, is a
+floor no exact step can go below; a fused step's distance above it is what its own kernels and the
+GPU's idle time still cost, and a target below it is out of reach for any exact implementation.
+
+`record(step, keep)` runs one step under a dispatch mode that notes each call of a GEMM or attention
+operator with its arguments: tensors of the model (`keep`: its weights, held by reference) as they
+are, every other tensor as a copy of its storage with the same size, strides and offset taken when
+the call ran (one copy for all inputs of one layout, so a 2048x2048 batch holds a few buffers, not a
+step's activations). `floor_step` replays the calls from a CUDA graph, so the host's launch work
+is not part of it either: the replay is GPU time only, the same kernels on the same shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from .timing import graphed
+
+aten = torch.ops.aten
+
+
+def _overloads(names: Iterable[str]) -> frozenset:
+    """The default overloads of the aten operators named, those this torch has."""
+    found = (getattr(aten, name, None) for name in names)
+    return frozenset(op.default for op in found if op is not None)
+
+
+# The operators a step's matrix products and attention reach a dispatch mode as: whole (linear,
+# matmul and SDPA under inference mode) or decomposed (their mm/addmm/bmm, the SDPA backend picked).
+# Inside one of them the mode is off, so what it calls in turn (linear's addmm) is not noted twice.
+GEMM_OPS = _overloads(("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm"))
+ATTENTION_OPS = _overloads(
+    (
+        "scaled_dot_product_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    )
+)
+FLOOR_OPS = GEMM_OPS | ATTENTION_OPS
+
+Call = tuple[Any, tuple, dict]
+
+
+class _Recorder(TorchDispatchMode):
+    """Notes every call of a FLOOR_OPS operator (see `record`) and runs every operator as usual."""
+
+    def __init__(self, keep: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self.keep = {t.untyped_storage().data_ptr() for t in keep}
+        self.copies: dict[tuple, torch.Tensor] = {}
+        self.calls: list[Call] = []
+
+    def _hold(self, value: object) -> object:
+        if not isinstance(value, torch.Tensor) or value.untyped_storage().data_ptr() in self.keep:
+            return value
+        layout = (
+            value.dtype,
+            value.device,
+            tuple(value.shape),
+            value.stride(),
+            value.storage_offset(),
+            value.untyped_storage().nbytes(),
+        )
+        if layout not in self.copies:
+            storage = value.untyped_storage().clone()
+            copy = torch.empty(0, dtype=value.dtype, device=value.device)
+            self.copies[layout] = copy.set_(storage, value.storage_offset(), value.shape, value.stride())
+        return self.copies[layout]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FLOOR_OPS:
+            self.calls.append((func, tree_map(self._hold, args), tree_map(self._hold, kwargs)))
+        return func(*args, **kwargs)
+
+
+def record(step: Callable[[], object], keep: Iterable[torch.Tensor]) -> list[Call]:
+    """The GEMM and attention calls one `step()` makes, in order, with their arguments held (see the
+    module docstring); `keep` are the tensors to hold by reference (the model's weights)."""
+    recorder = _Recorder(keep)
+    with recorder:
+        step()
+    return recorder.calls
+
+
+def replay(calls: Iterable[Call]) -> None:
+    """The calls again, on the GPU's current stream, results dropped."""
+    for func, args, kwargs in calls:
+        func(*args, **kwargs)
+
+
+def floor_step(step: Callable[[], object], model: torch.nn.Module) -> Callable[[], None]:
+    """`step`'s GEMM and attention calls captured in a CUDA graph; the callable replays them. A step
+    without any (nothing to bound) raises ValueError."""
+    calls = record(step, (*model.parameters(), *model.buffers()))
+    if not calls:
+        raise ValueError("the step made no GEMM or attention call to replay")
+    return graphed(lambda: replay(calls))

@@ -1,0 +1,55 @@
+"""CPU tests of the floor's record of a step's GEMM and attention calls (`bench.floor`); its CUDA
+graph replay runs in the GPU scan test (test_step.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flux2_fused.bench.floor import ATTENTION_OPS, GEMM_OPS, floor_step, record, replay
+
+
+class _Block(nn.Module):
+    """Two projections, attention and an elementwise tail: what the floor keeps and what it drops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).unbind(2)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        y = self.out(attn.transpose(1, 2).reshape(x.shape))
+        return torch.nn.functional.gelu(y) * 2 + x
+
+
+def test_record_keeps_gemms_and_attention_weights_by_reference_and_copies_activations() -> None:
+    torch.manual_seed(0)
+    block, x = _Block(), torch.randn(2, 5, 16)
+    with torch.inference_mode():
+        calls = record(lambda: block(block(x)), block.parameters())
+    funcs = [func for func, _, _ in calls]
+    assert all(f in GEMM_OPS | ATTENTION_OPS for f in funcs)
+    assert sum(f in ATTENTION_OPS for f in funcs) == 2 and sum(f in GEMM_OPS for f in funcs) == 4
+    tensors = [a for _, args, _ in calls for a in args if isinstance(a, torch.Tensor)]
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    held = [t for t in tensors if t.untyped_storage().data_ptr() in weights]
+    copies = [t for t in tensors if t.untyped_storage().data_ptr() not in weights]
+    assert held and copies
+    # The first projection's input is x itself, copied: same values and layout, a storage of its own.
+    source = copies[0]
+    assert torch.equal(source.reshape(-1), x.reshape(-1)) and source.data_ptr() != x.data_ptr()
+    # One copy a layout: the second block's calls take the first one's buffers (same layouts).
+    assert len({t.untyped_storage().data_ptr() for t in copies}) <= len(copies) // 2
+
+
+def test_replay_runs_the_calls_and_the_floor_needs_some() -> None:
+    block, x = _Block(), torch.randn(1, 3, 16)
+    with torch.inference_mode():
+        calls = record(lambda: block(x), block.parameters())
+        replay(calls)  # the same operators on the held arguments: no error, nothing returned
+        with pytest.raises(ValueError, match="no GEMM or attention call"):
+            floor_step(lambda: F.gelu(x), block)
