@@ -39,7 +39,11 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, tvm_ffi; print('torch', torch.__version__, 'tvm_ffi', tvm_ffi.__version__, 'gpus', torch.cuda.device_count())"
 # One step benchmark run: a name for its log and JSON, then its options.
-step_bench() { local name=$1; shift; python3 -m flux2_fused step --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"; }
+# STEP_TIMEOUT (seconds) ends a run that takes longer, so the runs after it still get their turn.
+step_bench() {
+  local name=$1; shift
+  timeout "${STEP_TIMEOUT:-0}" python3 -m flux2_fused step --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"
+}
 baseline() { PYTHONPATH=/tmp/site:$PWD/.baseline/python FLUX2_FUSED_CACHE_DIR=/tmp/flux2-cache-baseline "$@"; }
 rc=0
 for step in "$@"; do
