@@ -4,7 +4,7 @@
 #                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
 #                          [baseline-kernel-bench] [baseline-step-bench] [parallel-bench] [pytest:ARGS]
 #                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang] [scan] [float8-compile] [clocks]
-#                          [script:PATH ARGS] [step:OPTIONS]
+#                          [timeline] [script:PATH ARGS] [step:OPTIONS]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
 # pipeline-bench: a Flux2KleinPipeline call (klein-4b, 1024 px, 8 steps, CFG, VAE decode) alone vs enable();
@@ -23,6 +23,8 @@
 # e.g. "--host diffusers", override), a JSON and a PNG each; step:OPTIONS: `flux2-fused step OPTIONS`,
 # its JSON and log numbered; float8-compile: the compiled torchao float8 step of klein-4b at 512x512 then 1024x1024,
 # with faulthandler dumping the stacks if it runs past FLOAT8_TIMEOUT seconds (default 240).
+# timeline: `python -m flux2_fused.bench.timeline` (TIMELINE_ARGS adds options: where a pipelined
+# fused step's GPU waits);
 # clocks: `python -m flux2_fused.bench.clocks` (blocks of eager and fused steps with nvidia-smi sampling
 # clocks, power, temperature and clock-event reasons) on CLOCKS_CONFIGS (default klein-4b).
 # script:PATH runs `python3 PATH` (a diagnostic carried in .whl/, say; sglang's files importable after
@@ -103,6 +105,7 @@ for step in "$@"; do
           --configs klein-4b --host diffusers --quantize float8-row --compile --steps 3 --sizes "$size" \
           --json "$OUT/float8-compile-$size.json" 2>&1 | tail -60 | tee -a "$OUT/float8-compile.log" || rc=1
       done ;;
+    timeline) python3 -m flux2_fused.bench.timeline ${TIMELINE_ARGS:-} 2>&1 | tee "$OUT/timeline.log" || rc=1 ;;
     clocks) python3 -m flux2_fused.bench.clocks --configs ${CLOCKS_CONFIGS:-klein-4b} --json "$OUT/clocks.json" ${CLOCKS_ARGS:-} 2>&1 | tee "$OUT/clocks.log" || rc=1 ;;
     script:*) OUT=$OUT PYTHONPATH=/tmp/sglang:$PYTHONPATH python3 ${step#script:} 2>&1 | tee -a "$OUT/script.log" | tail -60 || rc=1 ;;
     step:*)  # the step benchmark with these options, a JSON and log numbered in run order

@@ -265,6 +265,10 @@ def test_the_runs_of_the_size_options() -> None:
     assert shapes(parser.parse_args(["--img-tokens", "1000"])) == [(1000, None)]
     assert shapes(parser.parse_args([])) == [(4096, (1024, 1024))]
     assert parser.parse_args(["--batch", "1", "4"]).batch == [1, 4]
+    # --vs-compile alone compiles the eager forward; "both" the fused one too.
+    assert parser.parse_args([]).vs_compile is None and not parser.parse_args([]).floor
+    assert parser.parse_args(["--vs-compile", "--floor"]).vs_compile == "eager"
+    assert parser.parse_args(["--vs-compile", "both"]).vs_compile == "both"
 
 
 def test_the_size_plot_draws_every_config(tmp_path: Path) -> None:
