@@ -701,7 +701,7 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         (
             ["step", "--configs", "klein-4b", "flux1-dev"],
             None,
-            "flux1-dev: FLUX.1 runs on --host diffusers (it has no package model)",
+            "flux1-dev: FLUX.1 has no model of the package's own; run it with --host diffusers",
         ),
         (["step", "--offload", "model"], None, "--lora, --offload and --quantize apply to --host diffusers"),
         (["step", "--quantize", "int8"], None, "--lora, --offload and --quantize apply to --host diffusers"),
@@ -721,8 +721,21 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
             None,
             "--compile compiles both modes; --vs-compile, --graph and --floor",
         ),
-        (["step", "--compile", "--graph"], None, "--compile compiles both modes; --vs-compile, --graph and"),
-        (["step", "--compile", "--floor"], None, "--compile compiles both modes; --vs-compile, --graph and"),
+        (
+            ["step", "--compile", "--graph"],
+            None,
+            "--compile compiles both modes; --vs-compile, --graph and --floor add modes to eager and fused",
+        ),
+        (
+            ["step", "--compile", "--floor"],
+            None,
+            "--compile compiles both modes; --vs-compile, --graph and --floor add modes to eager and fused",
+        ),
+        (
+            ["step", "--host", "diffusers", "--floor", "--quantize", "int8"],
+            None,
+            "--floor takes plain linears: without --quantize",
+        ),
         (
             ["step", "--host", "diffusers", "--graph", "--offload", "model"],
             None,
@@ -793,6 +806,7 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         "compile-and-vs-compile",
         "compile-and-graph",
         "compile-and-floor",
+        "floor-quantize",
         "graph-offload",
         "floor-offload",
         "vs-compile-choice",

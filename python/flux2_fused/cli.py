@@ -41,27 +41,11 @@ import argparse
 import sys
 import traceback
 from pathlib import Path
-from typing import NoReturn
 
 from .bench import options
+from .bench.options import Parser
 
-PROG = "flux2-fused"
-CHOICES = " (choose from "
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with its usage errors in the command's one-line form and exit status 2.
-
-    argparse prints the whole usage (six lines for `bench`) before its error; the command's promise is
-    one line, `flux2-fused: error: ...`, with `--help` a word away. The subcommands' parsers are made
-    of this class too (`add_subparsers` uses the parent's class).
-    """
-
-    def error(self, message: str) -> NoReturn:
-        # Python before 3.12.8 quotes every choice ('dev', 'tiny'); later ones do not: one form here.
-        head, found, choices = message.partition(CHOICES)
-        message = head + found + choices.replace("'", "")
-        self.exit(2, f"{PROG}: error: {message}\n")
+PROG = options.PROG
 
 
 def build_parser() -> tuple[Parser, dict[str, Parser]]:

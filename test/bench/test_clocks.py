@@ -10,7 +10,15 @@ import re
 
 import pytest
 
-from flux2_fused.bench.clocks import Block, Sample, format_blocks, parse_samples, reason_names, summarize
+from flux2_fused.bench.clocks import (
+    Block,
+    Sample,
+    format_blocks,
+    main,
+    parse_samples,
+    reason_names,
+    summarize,
+)
 
 # nvidia-smi --query-gpu=...,clocks_event_reasons.active --format=csv,noheader,nounits
 OUTPUT = """\
@@ -65,3 +73,21 @@ def test_blocks_on_the_gpu() -> None:
     assert [b.mode for b in blocks] == ["eager", "fused", "floor", "eager"]
     assert blocks[2].step_ms < blocks[1].step_ms < blocks[0].step_ms
     assert all(b.samples > 0 and b.sm_mhz_median > 0 and b.step_ms > 0 for b in blocks)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--blocks", "0"], "--blocks, --steps and --interval-ms must be at least 1"),
+        (["--configs", "flux1-dev"], "flux1-dev: FLUX.1 has no model of the package's own; run it with"),
+        (["--modes", "eager", "compiled"], "argument --modes: invalid choice: 'compiled'"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"python -m flux2_fused.bench.clocks: error: {message}")

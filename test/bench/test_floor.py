@@ -53,3 +53,16 @@ def test_replay_runs_the_calls_and_the_floor_needs_some() -> None:
         replay(calls)  # the same operators on the held arguments: no error, nothing returned
         with pytest.raises(ValueError, match="no GEMM or attention call"):
             floor_step(lambda: F.gelu(x), block)
+
+
+def test_outside_inference_mode_the_decomposed_products_are_noted_once() -> None:
+    """Under no_grad a mode sees linear's addmm/mm (its weight as a transposed view, still the
+    weight's storage: held, not copied) and never linear and addmm both."""
+    block, x = _Block(), torch.randn(1, 3, 16)
+    with torch.no_grad():
+        calls = record(lambda: block(x), block.parameters())
+    names = [str(func) for func, _, _ in calls]
+    assert "aten.linear.default" not in names and len([n for n in names if "mm" in n]) == 2
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    held = [a for _, args, _ in calls for a in args if isinstance(a, torch.Tensor)]
+    assert sum(t.untyped_storage().data_ptr() in weights for t in held) >= 2

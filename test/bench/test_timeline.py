@@ -54,12 +54,24 @@ def test_analyze_without_launches_or_activities() -> None:
     assert (empty.activities, empty.idle_pct, empty.gaps) == (0, 0.0, [])
 
 
-@pytest.mark.parametrize("argv", [["--steps", "0"], ["--largest", "-1"], ["--size", "1000x1000"]])
-def test_bad_arguments_are_one_line_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "--steps must be at least 1 and --largest at least 0"),
+        (["--largest", "-1"], "--steps must be at least 1 and --largest at least 0"),
+        (["--size", "1000x1000"], "argument --size: 1000x1000: 1000 is not a positive multiple of 16"),
+        (["--configs", "klein"], "argument --configs: invalid choice: 'klein'"),
+        (["--configs", "flux1-dev"], "flux1-dev: FLUX.1 has no model of the package's own; run it with"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
-    assert exit_info.value.code == 2
-    assert len(capsys.readouterr().err.strip().splitlines()[-1]) > 0
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"python -m flux2_fused.bench.timeline: error: {message}")
 
 
 @pytest.mark.gpu

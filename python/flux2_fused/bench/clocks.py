@@ -23,7 +23,6 @@ samples in which each reason was active.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import statistics
@@ -33,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from .options import STEP_CONFIGS, no_package_model, tool_parser
 from .report import markdown_table
 
 # nvidia-smi's clock-event reason bits (nvmlClocksEventReasons).
@@ -255,10 +255,10 @@ def run_blocks(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m flux2_fused.bench.clocks", description=__doc__.split("\n\n")[0]
+    parser = tool_parser("clocks", __doc__)
+    parser.add_argument(
+        "--configs", nargs="+", default=["klein-4b"], choices=STEP_CONFIGS, help="default klein-4b"
     )
-    parser.add_argument("--configs", nargs="+", default=["klein-4b"], help="step presets (default klein-4b)")
     parser.add_argument("--host", choices=("package", "diffusers"), default="package")
     parser.add_argument("--blocks", type=int, default=6, help="blocks of steps, the modes taking turns")
     parser.add_argument(
@@ -273,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval-ms", type=int, default=20, help="nvidia-smi's sampling period")
     parser.add_argument("--json", help="write the blocks to this file")
     args = parser.parse_args(argv)
+    if min(args.blocks, args.steps, args.interval_ms) < 1:
+        parser.error("--blocks, --steps and --interval-ms must be at least 1")
+    if args.host == "package" and (why := no_package_model(args.configs)) is not None:
+        parser.error(f"{why}; run it with --host diffusers")
     results = {}
     for config in args.configs:
         results[config] = run_blocks(config, args.host, args.blocks, args.steps, args.interval_ms, args.modes)

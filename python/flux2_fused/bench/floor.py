@@ -2,9 +2,10 @@
 
 Why: an exact fused step keeps every matrix product and the attention call exactly as eager runs
 them (another GEMM kernel or reduction order changes the bits), and replaces only the work between
-them. So the time of those calls alone, on the same GPU under the same clocks and power limit, is a
-floor no exact step can go below; a fused step's distance above it is what its own kernels and the
-GPU's idle time still cost, and a target below it is out of reach for any exact implementation.
+them. So the time of those calls alone, on the same GPU under the same clocks and power limit, is
+the floor an exact step can at best reach (measured, so within the noise of a few steps); a fused
+step's distance above it is what its own kernels and the GPU's idle time still cost, and a target
+well below it is out of reach for any exact implementation.
 
 `record(step, keep)` runs one step under a dispatch mode that notes each call of a GEMM or attention
 operator with its arguments: tensors of the model (`keep`: its weights, held by reference) as they
@@ -53,6 +54,7 @@ ATTENTION_OPS = _overloads(
 FLOOR_OPS = GEMM_OPS | ATTENTION_OPS
 
 Call = tuple[Any, tuple, dict]
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class _Recorder(TorchDispatchMode):
@@ -60,12 +62,13 @@ class _Recorder(TorchDispatchMode):
 
     def __init__(self, keep: Iterable[torch.Tensor]) -> None:
         super().__init__()
-        self.keep = {t.untyped_storage().data_ptr() for t in keep}
+        self.keep = {t.untyped_storage().data_ptr() for t in keep if type(t) in _PLAIN}
         self.copies: dict[tuple, torch.Tensor] = {}
         self.calls: list[Call] = []
 
     def _hold(self, value: object) -> object:
-        if not isinstance(value, torch.Tensor) or value.untyped_storage().data_ptr() in self.keep:
+        # A tensor subclass (a quantized weight, say) has no storage of its own to copy: by reference.
+        if type(value) not in _PLAIN or value.untyped_storage().data_ptr() in self.keep:
             return value
         layout = (
             value.dtype,

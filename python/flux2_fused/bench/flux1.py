@@ -21,11 +21,6 @@ from . import hosts
 LORA_TARGETS = (*hosts.ATTENTION_TARGETS, "net.0.proj", "net.2", "proj_mlp", "proj_out")
 
 
-def is_flux1(name: str) -> bool:
-    """Whether a benchmark config name is a FLUX.1 one (`flux1-dev`, `flux1-schnell`)."""
-    return name.startswith("flux1-")
-
-
 def random_transformer(
     name: str, device: torch.device, dtype: torch.dtype, seed: int = 0, **overrides: Any
 ) -> nn.Module:

@@ -11,8 +11,9 @@ dtypes, the kernel sites and dtypes); test/bench/test_options.py checks that the
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from ..errors import BadValue
 
@@ -24,7 +25,52 @@ GPU_SIDE, CPU_SIDE = 1024, 256  # default image side in pixels
 DEFAULT_STEPS = 4
 DEFAULT_TEXT_TOKENS = 512
 # `flux2-fused step` and `pipeline`
+PROG = "flux2-fused"
+CHOICES = " (choose from "
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its usage errors in the command's one-line form and exit status 2.
+
+    argparse prints the whole usage (six lines for `bench`) before its error; the command's promise is
+    one line, `flux2-fused: error: ...`, with `--help` a word away. The subcommands' parsers are made
+    of this class too (`add_subparsers` uses the parent's class).
+    """
+
+    # What its one-line errors begin with: the command's name, or a `python -m` tool's (`tool_parser`).
+    error_prog = PROG
+
+    def error(self, message: str) -> NoReturn:
+        # Python before 3.12.8 quotes every choice ('dev', 'tiny'); later ones do not: one form here.
+        head, found, choices = message.partition(CHOICES)
+        message = head + found + choices.replace("'", "")
+        self.exit(2, f"{self.error_prog}: error: {message}\n")
+
+
+def tool_parser(module: str, doc: str) -> Parser:
+    """The parser of a `python -m flux2_fused.bench.<module>` tool: one-line errors under its own name,
+    its description the first paragraph of its docstring."""
+    prog = f"python -m flux2_fused.bench.{module}"
+    parser = Parser(prog=prog, description=doc.split("\n\n")[0])
+    parser.error_prog = prog
+    return parser
+
+
 STEP_CONFIGS = ("dev", "klein-4b", "klein-9b", "flux1-dev", "flux1-schnell")  # FLUX.1: --host diffusers
+
+
+def is_flux1(name: str) -> bool:
+    """Whether a benchmark config name is a FLUX.1 one (`flux1-dev`, `flux1-schnell`)."""
+    return name.startswith("flux1-")
+
+
+def no_package_model(configs: Sequence[str]) -> str | None:
+    """Why these configs cannot run on the package's own model (FLUX.1 has none: diffusers'
+    transformer is its only host), or None when they all can."""
+    flux1 = [name for name in configs if is_flux1(name)]
+    return f"{', '.join(flux1)}: FLUX.1 has no model of the package's own" if flux1 else None
+
+
 PIPELINE_CONFIGS = ("klein-4b", "klein-9b", "dev", "flux1-dev", "flux1-schnell")  # Klein, Flux2, FluxPipeline
 PIPELINE_CACHES = ("none", "cache-dit", "magcache")  # what `pipeline --cache` stacks on the transformer
 HOSTS = ("package", "diffusers")
@@ -128,7 +174,7 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         "--floor",
         action="store_true",
         help="also the step's GEMM and attention calls alone, replayed from a CUDA graph, pipelined in "
-        "turn with eager and fused: the time no exact step can go below on this GPU",
+        "turn with eager and fused: the time an exact step can at best reach on this GPU",
     )
     parser.add_argument(
         "--host",

@@ -43,7 +43,7 @@ import torch
 from ..errors import BadValue
 from ..models.flux2 import Flux2Config
 from . import flux1, hosts
-from .options import check_side, require_at_least_one
+from .options import check_side, is_flux1, require_at_least_one
 from .report import PipelineResult, Timing, check_output, format_pipeline_table, write_json
 from .step import kernel_breakdown, tensor_sha256, time_synchronized
 
@@ -138,7 +138,7 @@ def bench_config(
     cache: str = "none",
 ) -> PipelineResult:
     device = torch.device("cuda", torch.cuda.current_device())
-    if flux1.is_flux1(name):
+    if is_flux1(name):
         transformer = flux1.random_transformer(name, device, torch.bfloat16)
         pipe = flux1.pipeline(transformer)
         prompts = flux1.prompt_embeddings(transformer, txt_tokens)

@@ -314,7 +314,7 @@ class StepResult:
     - graph_bit_exact: with --graph, whether the replayed step's output equals the eager step's; else
       null
     - floor_ms: with --floor, the median pipelined replay (a CUDA graph) of the fused step's GEMM and
-      attention calls alone, timed in turn with the others: what no exact step can go below
+      attention calls alone, timed in turn with the others: what an exact step can at best reach
       (`bench.floor`); else null
     - floor_profile: with --floor, the Breakdown of one such replay (its GEMM and attention kernel
       time should match the fused step's); else null

@@ -36,8 +36,8 @@ With --vs-compile a third mode, `torch.compile(model)` running the eager forward
 eager and fused in the pipelined timing: the three in one run, the compiled output's hash reported;
 `--vs-compile both` adds a fourth, the compiled fused forward (its sites flux2_fused operators).
 --graph adds the fused step replayed from a CUDA graph (its output compared with eager's), --floor
-the step's GEMM and attention calls alone, replayed from a CUDA graph (`bench.floor`): the time no
-exact step can go below under the same clocks, each in turn with the rest.
+the step's GEMM and attention calls alone, replayed from a CUDA graph (`bench.floor`): the time an
+exact step can at best reach under the same clocks, each in turn with the rest.
 --plot draws the pipelined step time of each mode against size, a panel a config.
 
 With --compile both modes run through `torch.compile(model)` (one compiled graph per mode; on the
@@ -71,7 +71,7 @@ from ..errors import BadValue, CommandError
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from . import flux1, hosts
 from .floor import floor_step
-from .options import PX_PER_TOKEN, require_at_least_one
+from .options import PX_PER_TOKEN, is_flux1, no_package_model, require_at_least_one
 from .report import (
     KERNEL_CLASSES,
     Breakdown,
@@ -222,9 +222,9 @@ class Subject:
     def __init__(self, name: str, host: str, lora_rank: int | None, offload: str, quantization: str) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         self.name = name
-        self.diffusers = flux1.is_flux1(name) or host == "diffusers"
+        self.diffusers = is_flux1(name) or host == "diffusers"
         self._twins: dict[bool, nn.Module] = {}
-        if flux1.is_flux1(name):
+        if is_flux1(name):
             transformer = flux1.random_transformer(name, device, torch.bfloat16)
             self.model = hosts.set_up(
                 transformer, device, lora_rank, offload, quantization, flux1.LORA_TARGETS
@@ -251,7 +251,7 @@ class Subject:
             self.model.fused = fused
 
     def inputs(self, batch: int, img_tokens: int, txt_tokens: int, width_tokens: int | None) -> dict:
-        if flux1.is_flux1(self.name):
+        if is_flux1(self.name):
             return flux1.step_inputs(
                 self.name, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens
             )
@@ -320,6 +320,15 @@ def captured(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         raise CommandError(f"--graph: the fused step could not be captured in a CUDA graph: {err}") from err
 
 
+def floor_of(step: Callable[[], torch.Tensor], model: nn.Module) -> Callable[[], None]:
+    """`bench.floor.floor_step`, a CommandError where the step's calls cannot be recorded or captured."""
+    try:
+        return floor_step(step, model)
+    except (RuntimeError, ValueError) as err:
+        message = f"--floor: the step's GEMM and attention calls could not be replayed: {err}"
+        raise CommandError(message) from err
+
+
 def bench_size(
     subject: Subject,
     steps: int,
@@ -358,7 +367,7 @@ def bench_size(
             runs["graph"] = captured(runs["fused"])
             outputs["graph"] = runs["graph"]()
         if floor:
-            runs["floor"] = floor_step(runs["fused"], subject.model)
+            runs["floor"] = floor_of(runs["fused"], subject.model)
         # Compiled, each mode's runner sets its own mode (the diffusers host's twins need no switch).
         switch = None if compile_both else subject.switch
         synchronized = Timing.of(time_synchronized(run, steps, switch))
@@ -433,13 +442,13 @@ def check(args: argparse.Namespace) -> None:
             "--compile compiles both modes; --vs-compile, --graph and --floor add modes to eager and fused"
         )
     if args.host == "package":
-        flux1_configs = [name for name in args.configs if flux1.is_flux1(name)]
-        if flux1_configs:
-            names = ", ".join(flux1_configs)
-            raise BadValue(f"{names}: FLUX.1 runs on --host diffusers (it has no package model)")
+        if (why := no_package_model(args.configs)) is not None:
+            raise BadValue(f"{why}; run it with --host diffusers")
         if args.lora is not None or args.offload != "none" or args.quantize != "none":
             raise BadValue("--lora, --offload and --quantize apply to --host diffusers")
         return
+    if args.floor and args.quantize != "none":
+        raise BadValue("--floor takes plain linears: without --quantize")
     if (args.graph or args.floor) and args.offload != "none":
         raise BadValue(
             "--graph and --floor capture a step on the GPU: without --offload, which moves weights in it"

@@ -20,7 +20,6 @@ before a kernel that starts right after its launch call returns. This tool tells
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .options import PX_PER_TOKEN, image_size
+from .options import PX_PER_TOKEN, STEP_CONFIGS, image_size, no_package_model, tool_parser
 from .report import markdown_table
 
 # Chrome-trace categories: the GPU's work, the CUDA API calls that launch it, the host's operators.
@@ -103,8 +102,10 @@ def _gap(us: float, kernel: dict, launches: dict, host: Iterable[dict], window_u
         return Gap(us, kernel["name"], None)
     returned = launch["ts"] + launch.get("dur", 0)
     low = launch["ts"] - us - window_us
+    # Host work that ran, start to end, in the window: not the frames that enclose the launch itself.
     before = sorted(
-        (e for e in host if low <= e["ts"] <= launch["ts"] and e["dur"] >= 20), key=lambda e: -e["dur"]
+        (e for e in host if low <= e["ts"] and e["ts"] + e["dur"] <= launch["ts"] and e["dur"] >= 20),
+        key=lambda e: -e["dur"],
     )
     return Gap(us, kernel["name"], kernel["ts"] - returned, [(e["name"], e["dur"]) for e in before[:6]])
 
@@ -210,10 +211,10 @@ def run(config: str, host: str, size: tuple[int, int], steps: int, largest: int)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m flux2_fused.bench.timeline", description=__doc__.split("\n\n")[0]
+    parser = tool_parser("timeline", __doc__)
+    parser.add_argument(
+        "--configs", nargs="+", default=["klein-4b"], choices=STEP_CONFIGS, help="default klein-4b"
     )
-    parser.add_argument("--configs", nargs="+", default=["klein-4b"], help="step presets (default klein-4b)")
     parser.add_argument(
         "--hosts", nargs="+", choices=("package", "diffusers"), default=["package", "diffusers"]
     )
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.largest < 0:
         parser.error("--steps must be at least 1 and --largest at least 0")
+    if "package" in args.hosts and (why := no_package_model(args.configs)) is not None:
+        parser.error(f"{why}; run it with --hosts diffusers")
     import torch
 
     if not torch.cuda.is_available():
