@@ -20,6 +20,8 @@ from flux2_fused.bench.clocks import (
     summarize,
 )
 
+from . import one_line_error
+
 # nvidia-smi --query-gpu=...,clocks_event_reasons.active --format=csv,noheader,nounits
 OUTPUT = """\
 2026/12/01 20:55:01.100, 1980, 3201, 612.40, 51, 0x0000000000000000
@@ -86,8 +88,5 @@ def test_blocks_on_the_gpu() -> None:
 def test_bad_arguments_are_one_line_errors(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    err = one_line_error(main, argv, capsys)
     assert err.startswith(f"python -m flux2_fused.bench.clocks: error: {message}")

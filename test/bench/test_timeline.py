@@ -7,6 +7,8 @@ import pytest
 
 from flux2_fused.bench.timeline import Gap, analyze, format_timeline, main
 
+from . import one_line_error
+
 
 def _kernel(name: str, ts: float, dur: float, correlation: int) -> dict:
     return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
@@ -67,10 +69,7 @@ def test_analyze_without_launches_or_activities() -> None:
 def test_bad_arguments_are_one_line_errors(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    err = one_line_error(main, argv, capsys)
     assert err.startswith(f"python -m flux2_fused.bench.timeline: error: {message}")
 
 
