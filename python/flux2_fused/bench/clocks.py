@@ -57,6 +57,7 @@ TIMESTAMP = "%Y/%m/%d %H:%M:%S.%f"
 # The blocks' modes: diffusers' or the package's eager step, the fused step, and the fused step's
 # GEMM and attention calls alone (`bench.floor`), which shows the clock those kernels run at alone.
 MODES = ("eager", "fused", "floor")
+DEFAULT_MODES = ("eager", "fused")
 
 
 @dataclass
@@ -213,7 +214,7 @@ class Sampler:
 
 
 def run_blocks(
-    config: str, host: str, blocks: int, steps: int, interval_ms: int, modes: Sequence[str] = MODES
+    config: str, host: str, blocks: int, steps: int, interval_ms: int, modes: Sequence[str] = DEFAULT_MODES
 ) -> list[Block]:
     """The blocks of one config (see the module docstring), `modes` taking turns."""
     import functools
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         nargs="+",
         choices=MODES,
-        default=["eager", "fused"],
+        default=list(DEFAULT_MODES),
         help="the modes taking turns (default eager fused); floor: the fused step's GEMM and attention "
         "calls alone, replayed from a CUDA graph (bench.floor)",
     )

@@ -1,5 +1,6 @@
 """The benchmark commands' options (`flux2-fused bench`, `step`, `pipeline`, `kernel`): their
-declarations, the names and defaults they show, and the checks of their values. No torch here.
+declarations, the names and defaults they show, the checks of their values, and the parser that
+reports a bad one in one line (the command's and the `python -m` tools'). No torch here.
 
 Why a module of its own: `flux2-fused --help` and a usage error must answer at once, and importing
 torch (which every benchmark module does) takes seconds. So the command line is declared from plain
@@ -17,14 +18,7 @@ from typing import NoReturn
 
 from ..errors import BadValue
 
-# `flux2-fused bench`
-CONFIGS = ("dev", "klein-4b", "klein-9b", "tiny")  # Flux2Config.PRESETS' names
-DTYPES = ("bf16", "fp16", "fp32")  # denoise.DTYPES' names
-PX_PER_TOKEN = 16  # the VAE downsamples 8x and FLUX.2 packs 2x2 latent pixels into a token
-GPU_SIDE, CPU_SIDE = 1024, 256  # default image side in pixels
-DEFAULT_STEPS = 4
-DEFAULT_TEXT_TOKENS = 512
-# `flux2-fused step` and `pipeline`
+# The parser of the command and of the `python -m` tools: one-line usage errors.
 PROG = "flux2-fused"
 CHOICES = " (choose from "
 
@@ -56,6 +50,14 @@ def tool_parser(module: str, doc: str) -> Parser:
     return parser
 
 
+# `flux2-fused bench`
+CONFIGS = ("dev", "klein-4b", "klein-9b", "tiny")  # Flux2Config.PRESETS' names
+DTYPES = ("bf16", "fp16", "fp32")  # denoise.DTYPES' names
+PX_PER_TOKEN = 16  # the VAE downsamples 8x and FLUX.2 packs 2x2 latent pixels into a token
+GPU_SIDE, CPU_SIDE = 1024, 256  # default image side in pixels
+DEFAULT_STEPS = 4
+DEFAULT_TEXT_TOKENS = 512
+# `flux2-fused step` and `pipeline`
 STEP_CONFIGS = ("dev", "klein-4b", "klein-9b", "flux1-dev", "flux1-schnell")  # FLUX.1: --host diffusers
 
 
