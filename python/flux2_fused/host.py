@@ -15,7 +15,10 @@ docs/architecture.md shows the interface and how a new host plugs in.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -90,6 +93,95 @@ def has_hooks(module: nn.Module) -> bool:
     )
 
 
+# What a module's call runs besides hooks: its forward, and the `__call__` that calls it.
+CALL_METHODS = ("forward", "__call__")
+# class -> (the functions it held under CALL_METHODS when last looked at, whether all were its own)
+_class_verdicts: dict[type, tuple[tuple[Any, ...], bool]] = {}
+_warned_replacements: set[tuple[str, str]] = set()
+
+
+def _package_root(module_name: str) -> Path | None:
+    """The folder of the top-level package a module belongs to (diffusers/, torch/), None where the
+    module is not a file-backed package (`__main__`, a module built at run time)."""
+    top = sys.modules.get(module_name.partition(".")[0])
+    paths = getattr(top, "__path__", None)
+    return Path(next(iter(paths))).resolve() if paths else None
+
+
+def _own_function(owner: type, fn: Any) -> bool:
+    """Whether `fn`, found in `owner`'s own namespace, is the function `owner`'s package defined there:
+    a function written in `owner`'s class body (its code's qualified name and file say so, which a
+    replacement dressed up with `functools.wraps` cannot fake), under decorators of that package or
+    torch only (diffusers' `apply_lora_scale`, `torch.no_grad()`). A replacement from anywhere else
+    (a user's script, a cache or quantization tool patching the class), or a non-function, is not."""
+    roots = [root for root in (_package_root(owner.__module__), _package_root("torch")) if root is not None]
+    inner = fn
+    while inner is not None:
+        code = getattr(inner, "__code__", None)
+        if code is None or not any(Path(code.co_filename).resolve().is_relative_to(r) for r in roots):
+            return False
+        fn, inner = inner, getattr(inner, "__wrapped__", None)
+    inner = fn
+    # The code's own qualified name (Python >= 3.11); 3.10's code objects carry only the bare name.
+    qualname = getattr(inner.__code__, "co_qualname", inner.__qualname__)
+    module_file = getattr(sys.modules.get(owner.__module__), "__file__", None)
+    return (
+        inner.__module__ == owner.__module__
+        and qualname.startswith(f"{owner.__qualname__}.")
+        and qualname.rpartition(".")[2] == inner.__code__.co_name
+        and module_file is not None
+        and Path(inner.__code__.co_filename).resolve() == Path(module_file).resolve()
+    )
+
+
+def _replacement(cls: type, names: tuple[str, ...]) -> tuple[str, Any] | None:
+    """The first of `names` whose function along `cls`'s MRO is not its owner's own, with that
+    function; None where every one is."""
+    for name in names:
+        owner = next((base for base in cls.__mro__ if name in base.__dict__), None)
+        if owner is not None and not _own_function(owner, owner.__dict__[name]):
+            return name, owner.__dict__[name]
+    return None
+
+
+def methods_unpatched(cls: type, names: tuple[str, ...] = CALL_METHODS) -> bool:
+    """Whether the methods `names` of `cls` are still the ones its library wrote, not replaced on the
+    class (TeaCache's `FluxTransformer2DModel.forward = teacache_forward`, or a patched block,
+    feed-forward, processor or norm class). Block code stands in for a module's call only where
+    they are: a replaced method must run, so its module is called instead. A replacement is warned
+    about once, with what replaced it; the verdict is kept per class and looked at again whenever
+    the class holds other functions (a patch applied or undone later)."""
+    return _class_verdict(cls, names, tuple(getattr(cls, name, None) for name in names))
+
+
+@torch._dynamo.assume_constant_result
+def _class_verdict(cls: type, names: tuple[str, ...], current: tuple[Any, ...]) -> bool:
+    """`methods_unpatched` given the functions `cls` holds now. A torch.compile trace takes the
+    verdict as a constant (it reads files and warns), guarded by the functions it was given."""
+    seen = _class_verdicts.get(cls)
+    if seen is not None and seen[0] == current:
+        return seen[1]
+    replaced = _replacement(cls, names)
+    _class_verdicts[cls] = (current, replaced is None)
+    if replaced is not None:
+        name, fn = replaced
+        code = getattr(fn, "__code__", None)  # where the replacement was written, not what it claims
+        what = (
+            f"{getattr(code, 'co_qualname', code.co_name)} in {code.co_filename}"
+            if code is not None
+            else repr(fn)
+        )
+        if (qualified_name(cls), what) not in _warned_replacements:
+            _warned_replacements.add((qualified_name(cls), what))
+            warnings.warn(
+                f"flux2-fused: {qualified_name(cls)}.{name} is replaced on the class (by {what}): "
+                "its modules run the replacement, unfused; the modules it calls stay fused",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return replaced is None
+
+
 def unwrapped(module: nn.Module, own: tuple[type, ...] = ()) -> bool:
     """Whether skipping `module`'s call changes nothing: no hooks, no forward replaced on the
     instance (accelerate's offload and diffusers' cache hooks wrap `forward` that way) unless by one
@@ -150,7 +242,11 @@ class ModuleHost:
         self.own_forwards = own_forwards  # instance forwards the host put there itself
 
     def plain(self, module: nn.Module) -> bool:
-        return type(module) in self.classes and unwrapped(module, self.own_forwards)
+        return (
+            type(module) in self.classes
+            and unwrapped(module, self.own_forwards)
+            and methods_unpatched(type(module))
+        )
 
     def call(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return module(*args, **kwargs)

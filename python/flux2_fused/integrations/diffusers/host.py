@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...host import Attention, ModuleHost, output_dropout_inactive
+from ...host import Attention, ModuleHost, methods_unpatched, output_dropout_inactive
 from .slots import class_forward_signature
 
 # The attention of a processor on the block code's q, k, v, or None where its own call must run:
@@ -81,8 +81,11 @@ class DiffusersHost(ModuleHost):
     ) -> Attention | None:
         if not self._attention_plain(attn):
             return None
-        factory = self.processors.get(type(attn.processor))
-        return None if factory is None else factory(self, attn.processor, options or {}, text_tokens)
+        processor = attn.processor
+        factory = self.processors.get(type(processor))
+        if factory is None or not methods_unpatched(type(processor), ("__call__",)):
+            return None  # a processor class patched in place runs its own (replaced) call
+        return factory(self, processor, options or {}, text_tokens)
 
     def _attention_plain(self, attn: nn.Module) -> bool:
         """The attention module's forward may be replaced by the block code (its processor aside):
@@ -142,8 +145,9 @@ class FusedBlockForward:
     """A block's forward under whatever calls it (a cache's block container, block-level hooks,
     offloading): the family's block forward with the patched transformer's host and switch, on real
     tensors in and out; the class forward where the family declines the call, where nothing enabled
-    the block, and under a torch.compile trace of the block (a block compiled on its own, as
-    diffusers' `compile_repeated_blocks` does, compiles diffusers' own forward).
+    the block, where a forward replaced on the block's class must run, and under a torch.compile
+    trace of the block (a block compiled on its own, as diffusers' `compile_repeated_blocks` does,
+    compiles diffusers' own forward).
 
     `enable` puts one in each block's forward slot. A callable object, not a bound function, so that
     `DiffusersHost.plain` recognizes it with `isinstance` (which torch.compile traces); it shows the
@@ -157,7 +161,8 @@ class FusedBlockForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         block = self.block
-        if not torch.compiler.is_compiling():
+        # A forward replaced on the block's class (after `enable`, or before it) runs instead.
+        if not torch.compiler.is_compiling() and methods_unpatched(type(block), ("forward",)):
             ref = getattr(block, "_flux2_fused_handle", None)  # patch.HandleRef to the enabling handle
             handle = ref() if ref is not None else None
             forward = None if handle is None else handle.host.block_forwards.get(type(block))

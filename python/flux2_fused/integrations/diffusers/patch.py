@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...host import qualified_name
+from ...host import methods_unpatched, qualified_name
 from ...models.deferral import Fusion
 from .host import DiffusersHost, FusedBlockForward
 from .registry import FAMILIES, binding_for
@@ -126,13 +126,15 @@ class FusedHandle:
 
 
 def _fused_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The model's forward through its family's binding where that implements the call, else
-    diffusers' own forward (or the forward of unknown kind set before `enable`), unfused."""
+    """The model's forward through its family's binding where that implements the call, else the
+    class's forward (diffusers', or whatever replaced it on the class: a TeaCache-style forward,
+    whose block calls still run fused) or the forward of unknown kind set before `enable`."""
     handle: FusedHandle | None = getattr(self, "_flux2_fused_handle", None)
     if (
         handle
         is not None  # else the handle was disabled while this method stayed reachable (another wrapper)
         and handle.previous_forward is None
+        and methods_unpatched(type(self), ("forward",))  # a forward replaced on the class runs instead
         # gradient checkpointing while a gradient is needed: diffusers' forward checkpoints each block
         and not (torch.is_grad_enabled() and getattr(self, "gradient_checkpointing", False))
     ):
