@@ -191,7 +191,7 @@ def verify_kernels() -> list[VerifyRow]:
         except jit.BuildError as exc:
             rows.append(VerifyRow(op.name, "-", False, f"module unavailable: {exc}", 0.0, "unavailable"))
             continue
-        origin = f"{jit.module_origin(op.spec, arch) or '-'}, sm {arch}"
+        origin = f"{jit.module_source(op.spec, arch)[0]}, sm {arch}"
         for config in op.verify_configs:
             start = time.perf_counter()
             try:

@@ -401,8 +401,17 @@ def arch_reason(arch: str) -> str | None:
     return f"compute capability {arch} is older than the kernels' minimum {need} (sm_{need.replace('.', '')})"
 
 
+def loader_reason() -> str | None:
+    """Why no module can be loaded here, bundled or built (tvm-ffi missing), None when one can."""
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError as exc:
+        return f"apache-tvm-ffi is not installed or not importable ({exc})"
+    return None
+
+
 def toolchain_reason() -> str | None:
-    """Why no kernel can be built or loaded here (tvm-ffi missing, no nvcc), None when one can."""
+    """Why no kernel can be built here (tvm-ffi missing, no nvcc), None when one can."""
     try:
         import tvm_ffi.cpp  # noqa: F401
     except ImportError as exc:
@@ -512,6 +521,30 @@ def module_origin(spec: KernelSpec, arch: str) -> str | None:
     """Where the loaded module of `spec` for `arch` came from: "bundled (file)", "cache", "built now",
     or "unavailable: reason"; None before the first load."""
     return _origins.get((spec, arch))
+
+
+def module_source(spec: KernelSpec, arch: str) -> tuple[str | None, str | None]:
+    """Where `load_module(spec, arch)` takes (or took) its module, without loading or building it:
+    (source, None), the source "bundled (file)", "cache" or "JIT build" (built on first use with the
+    local toolkit), or once loaded what the load said; (None, why) where no module can be had. The
+    one answer to "which kernels can run here", in the order the loader tries them."""
+    origin = module_origin(spec, arch)
+    if origin is not None:
+        return (
+            (None, origin.removeprefix("unavailable: "))
+            if origin.startswith("unavailable")
+            else (origin, None)
+        )
+    reason = arch_reason(arch) or loader_reason()
+    if reason is not None:
+        return None, reason
+    bundled = bundled_library(spec, arch)
+    if bundled is not None:
+        return f"bundled ({bundled.name})", None
+    reason = toolchain_reason()
+    if reason is not None:
+        return None, f"no bundled module for sm {arch}, and {reason}"
+    return ("cache" if is_cached(spec, [arch]) else "JIT build"), None
 
 
 def load_module(spec: KernelSpec, arch: str) -> Any:

@@ -35,12 +35,13 @@ def kill_switch() -> bool:
 
 
 def fast_path_reason(device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:
-    """Why no fused op can run on `device` (in `dtype`, when given), in one line; None when they may.
+    """Why no fused op can run on `device` (in `dtype`, when given), in one line; None when some may.
 
     The one answer to "is the fast path on here" for the CLI, the benchmarks and the docs:
     a CUDA device of compute capability 8.0 or newer, bf16 or fp16, the kill switch unset, and a
-    kernel to run (apache-tvm-ffi importable, and nvcc to build or key the cached library). The
-    ops may still decline single calls (shapes, strides, autograd, ...), each with its own reason.
+    module for at least one op (`module_sources`: bundled in the wheel, cached, or built with a
+    local toolkit). The ops may still decline single calls (shapes, strides, autograd, ...), each
+    with its own reason.
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -54,7 +55,19 @@ def fast_path_reason(device: torch.device | str, dtype: torch.dtype | None = Non
         return f"the kernels compute in bf16 and fp16, not {str(dtype).removeprefix('torch.')}"
     if kill_switch():
         return f"disabled by {DISABLE_ENV}"
-    return jit.toolchain_reason()
+    sources = module_sources(device)
+    if any(source is not None for source, _ in sources.values()):
+        return None
+    return "; ".join(sorted({reason for _, reason in sources.values() if reason is not None}))
+
+
+def module_sources(device: torch.device | str) -> dict[str, tuple[str | None, str | None]]:
+    """Each op's module source on a CUDA `device` (`jit.module_source`): op name -> (where its module
+    comes from, None) or (None, why it has none), as the ops' loader will find them."""
+    from . import OPS  # the op packages import this module
+
+    arch = jit.device_arch(torch.device(device))
+    return {op.name: jit.module_source(op.spec, arch) for op in OPS}
 
 
 @dataclass(frozen=True)
