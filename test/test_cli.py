@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from flux2_fused.bench import denoise, plot
+from flux2_fused.bench.classify import kernel_class
 from flux2_fused.bench.report import (
     INACTIVE,
     MODES,
@@ -30,6 +31,7 @@ from flux2_fused.bench.report import (
     KernelReport,
     KernelRow,
     ModeResult,
+    Paired,
     ParallelResult,
     PipelineResult,
     StepResult,
@@ -72,6 +74,7 @@ REPORT_TYPES = [
     BenchReport,
     ModeResult,
     Timing,
+    Paired,
     StepResult,
     PipelineResult,
     ParallelResult,
@@ -612,7 +615,7 @@ def test_plot_without_matplotlib_fails_before_the_run(
     ],
 )
 def test_profiler_names_map_to_sites(name: str, site: str) -> None:
-    assert denoise.site_of(name) == site
+    assert kernel_class(name, SITES) == site
 
 
 def test_default_config_follows_free_memory() -> None:

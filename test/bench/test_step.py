@@ -1,21 +1,24 @@
-"""CPU tests of the step benchmark's statistics, of its kernel classifier and of the GPU benchmarks'
-tables; their CUDA timing and profiling need a GPU."""
+"""CPU tests of the step benchmark's statistics, of the benchmarks' kernel classifier and of the GPU
+benchmarks' tables; their CUDA timing and profiling need a GPU."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 
 import pytest
 
 from flux2_fused.bench import plot
-from flux2_fused.bench.denoise import site_of
+from flux2_fused.bench.classify import kernel_class
 from flux2_fused.bench.report import (
     KERNEL_CLASSES,
+    SITES,
     Breakdown,
     KernelReport,
     KernelRow,
+    Paired,
     PipelineResult,
     StepResult,
     Timing,
@@ -25,8 +28,9 @@ from flux2_fused.bench.report import (
     format_step_table,
     format_verify,
 )
-from flux2_fused.bench.step import FUSED_KERNELS, _pair_order, breakdown_of, busy_pct, kernel_class, shapes
+from flux2_fused.bench.step import _pair_order, breakdown_of, busy_pct, shapes
 from flux2_fused.cli import build_parser
+from flux2_fused.ops import FUSED_KERNELS
 
 # Kernel names in the form torch.profiler reports them on Hopper (cuBLAS, cuBLASLt, cuDNN, flash,
 # memory-efficient attention, aten, Inductor and this package's kernels), with the class of each.
@@ -95,18 +99,48 @@ def test_timing_pairs_steps_by_position() -> None:
     assert t.fused_won == 3
 
 
+def test_paired_is_the_mean_difference_with_its_interval() -> None:
+    """The compiled step against the fused one: the same statistics as eager's, other minus fused."""
+    p = Paired.of([11.0, 12.0, 10.5, 31.0], [10.0, 12.5, 9.5, 30.0])
+    assert p.diff_ms == pytest.approx(0.625) and p.fused_won == 3
+    assert p.ci95_ms == pytest.approx(1.96 * 0.75 / 2)
+    t = Timing.of({False: [11.0, 12.0, 10.5, 31.0], True: [10.0, 12.5, 9.5, 30.0]})
+    assert (t.paired_diff_ms, t.paired_ci95_ms, t.fused_won) == (p.diff_ms, p.ci95_ms, p.fused_won)
+    assert Paired.of([9.0], [10.0]).fused_won == 0 and math.isnan(Paired.of([9.0], [10.0]).ci95_ms)
+    with pytest.raises(ValueError):
+        Paired.of([1.0, 2.0], [1.0])  # pairs, or nothing
+
+
 @pytest.mark.parametrize(
     ("name", "expected"), KERNEL_NAMES, ids=[c + str(i) for i, (_, c) in enumerate(KERNEL_NAMES)]
 )
 def test_kernel_class_sorts_real_kernel_names(name: str, expected: str) -> None:
-    assert kernel_class(name) == expected
+    assert kernel_class(name, KERNEL_CLASSES) == expected
 
 
 def test_every_fused_kernel_is_fused_in_both_benchmarks() -> None:
-    """The step benchmark's classes and `flux2-fused bench`'s sites share one list of our kernels."""
+    """The step benchmark's classes and `flux2-fused bench`'s sites read one table of every op's kernel."""
+    assert len(FUSED_KERNELS) == 4
     for kernel in FUSED_KERNELS:
         name = f"void flux2_fused::{kernel}<__nv_bfloat16>(...)"
-        assert kernel_class(name) == "fused" and site_of(name) == "fused"
+        assert kernel_class(name, KERNEL_CLASSES) == "fused" and kernel_class(name, SITES) == "fused"
+
+
+@pytest.mark.parametrize(
+    ("name", "step_class", "site"),
+    [
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", "gemm", "other"),
+        ("void pytorch_flash::flash_fwd_kernel<...>(...)", "attention", "other"),
+        ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective", "other"),
+        ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<...>(...)", "other", "norm"),
+        ("void at::native::vectorized_elementwise_kernel<4, ...>(int, ...)", "other", "elementwise"),
+        ("Memcpy DtoD (Device -> Device)", "other", "other"),
+    ],
+)
+def test_a_class_a_benchmark_does_not_report_is_other(name: str, step_class: str, site: str) -> None:
+    """One table, each benchmark its own classes: what the other one splits out is its other."""
+    assert kernel_class(name, KERNEL_CLASSES) == step_class
+    assert kernel_class(name, SITES) == site
 
 
 def test_breakdown_sums_time_and_launches_by_class() -> None:
@@ -156,6 +190,7 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
         height=768,
         busy_pct={"eager": 96.84, "fused": 99.12, "compiled": 98.5},
         compiled_ms=11.0,
+        compiled_vs_fused=Paired.of([11.5, 10.5], [10.0, 10.0]),  # +1.0, sd 0.71 over 2 pairs
         compiled_sha256="d" * 64,
         compiled_fused_ms=10.5,
         compiled_fused_sha256="e" * 64,
@@ -170,18 +205,22 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     table = format_step_table([step, on_diffusers, scanned], "NVIDIA H200", "2.11.0")
     timings, breakdown = table.split("\n\n")
     assert "eager = diffusers' own forward, fused = enable(model)" in timings
-    assert _table_widths(timings) == {20}
+    assert _table_widths(timings) == {21}
+    assert "| fused vs compiled: paired gain ms (95% CI), fused won |" in timings
     assert (
-        "| klein-4b | package | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% | - | - | - | - | - |"
+        "| klein-4b | package | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% | - | - | - | - | - | - |"
         in timings
     )
     assert "| klein-4b | diffusers (LoRA r16, model offload) | 1 | 4096+512 | synchronized |" in timings
+    # The compile column's paired gain: mean 1.00 ms, 95% CI 1.96 * 0.71 / sqrt(2), both pairs won.
     assert (
         "| klein-4b | package | 4 | 1360x768 (4080+512) | pipelined | 11.00 | 10.00 | +10.0% "
-        "| 11.00 (+10.0%) | 10.50 (+4.8%) | 8.00 (+25.0%), bit-exact | 8.00 (+25.0%) "
-        "| eager 96.8 / fused 99.1 / compiled 98.5 |" in timings
+        "| 11.00 (+10.0%) | +1.00 +- 0.98, 2/2 | 10.50 (+4.8%) | 8.00 (+25.0%), bit-exact | 8.00 (+25.0%) "
+        "| eager 96.8 / fused 99.1 / compiled 98.5 | +1.00 +- 0.00 | 2/2 |" in timings
     )
-    assert "| 1360x768 (4080+512) | synchronized | 11.00 | 10.00 | +10.0% | - | - | - | - | - |" in timings
+    assert (
+        "| 1360x768 (4080+512) | synchronized | 11.00 | 10.00 | +10.0% | - | - | - | - | - | - |" in timings
+    )
     assert _table_widths(breakdown) == {13}
     assert (
         "| klein-4b | package | 1 | 4096+512 | eager | 1256 | 6.50 (500) | 2.25 (50) | 0.00 (0) | 0.00 (0) "

@@ -19,9 +19,10 @@ CPU among others, the fused mode runs the same eager PyTorch as the eager mode).
 advance in alternation, step i of one mode next to step i of the other (the order swapping every
 step), so clock and thermal drift hit both alike; each step is timed with CUDA events (perf_counter
 on the CPU). One extra step per mode runs under torch.profiler to count launches and split kernel
-time by site: `fused` (our gated_resnorm_kernel), `norm` (LayerNorm / RMSNorm kernels),
-`elementwise` (aten's elementwise kernels, among them the gated adds and modulations the fused
-kernel replaces) and `other` (GEMMs, attention, copies, ...). On the CPU the same split is made over
+time by site (`classify.kernel_class`, the step benchmark's table): `fused` (this package's
+kernels, `ops.FUSED_KERNELS`), `norm` (LayerNorm / RMSNorm kernels), `elementwise` (aten's
+elementwise kernels, among them the gated adds and modulations the fused kernels replace) and
+`other` (GEMMs, attention, copies, ...). On the CPU the same split is made over
 aten ops (self CPU time by op name) and the launch count is the number of aten ops, nested ones
 included. Verdict: the final latents of the two loops are bit-exact when `torch.equal` holds and
 their bytes have the same SHA-256.
@@ -35,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
 import statistics
 import sys
 import time
@@ -53,7 +53,8 @@ from .. import __version__
 from ..errors import BadValue
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from ..models.weights import CONFIG_NAME, WeightsError, read_config, shard_files
-from ..ops import fast_path_reason, self_check_records
+from ..ops import fast_path_reason, module_sources, self_check_records
+from .classify import tally
 from .options import (
     CPU_SIDE,
     DEFAULT_STEPS,
@@ -64,7 +65,7 @@ from .options import (
     require_at_least_one,
 )
 from .report import MODES, SITES, BenchReport, ModeResult
-from .step import FUSED_KERNELS, tensor_sha256
+from .step import tensor_sha256
 from .timing import event_ms
 
 T = TypeVar("T")
@@ -80,15 +81,6 @@ SLOW_CPU_RUN_S = 60  # a CPU run estimated to take longer gets a warning before 
 MAX_CPU_RUN_S = 3600  # one estimated to take longer is refused unless --allow-slow
 PIPELINE_INDEX = "model_index.json"  # marks a diffusers pipeline folder, one subfolder a component
 TRANSFORMER_CLASS = "Flux2Transformer2DModel"  # config.json's _class_name in a FLUX.2 transformer folder
-# Kernel names on the GPU, aten op names on the CPU; the first pattern that matches names the site.
-_SITE_PATTERNS = (
-    ("fused", re.compile("|".join(map(re.escape, FUSED_KERNELS)))),
-    ("norm", re.compile(r"layer_?norm|rms_?norm", re.IGNORECASE)),
-    (
-        "elementwise",
-        re.compile(r"elementwise_kernel|^aten::(?:add|mul|sub|div|neg|silu|clamp|clip|cos|sin|exp|pow)_?$"),
-    ),
-)
 
 
 # --------------------------------------------------------------------------- planning
@@ -285,6 +277,12 @@ def plan(request: BenchRequest) -> Plan:
     if fast_path_off is not None:
         fast_path_off = f"the fast path is off here ({fast_path_off}): both modes run eager PyTorch"
         notes.append(fast_path_off)
+    else:  # some op has a module; one that has none runs its eager chain in the fused mode
+        notes += [
+            f"{op} runs eager in the fused mode: no module for it here ({why})"
+            for op, (source, why) in module_sources(device).items()
+            if source is None
+        ]
     return Plan(
         device=device,
         config=config,
@@ -363,11 +361,6 @@ class ProfiledStep:
     site_launches: dict[str, int]
 
 
-def site_of(name: str) -> str:
-    """The site a CUDA kernel or aten op belongs to, by its name."""
-    return next((site for site, pattern in _SITE_PATTERNS if pattern.search(name)), "other")
-
-
 @contextlib.contextmanager
 def _quiet_stderr_fd() -> Iterator[None]:
     """Silence file descriptor 2: kineto prints "profiler_start/stop" lines there from C++."""
@@ -400,11 +393,7 @@ def profile_step(fn: Callable[[], object], device: torch.device) -> ProfiledStep
     else:
         ops = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
         timed = [(e.name, e.self_cpu_time_total) for e in ops]
-    site_ms, site_launches = dict.fromkeys(SITES, 0.0), dict.fromkeys(SITES, 0)
-    for name, us in timed:
-        site = site_of(name)
-        site_ms[site] += us / 1e3
-        site_launches[site] += 1
+    site_ms, site_launches = tally(timed, SITES)
     return ProfiledStep(len(timed), site_ms, site_launches)
 
 

@@ -18,8 +18,9 @@ from pathlib import Path
 from ..errors import BadValue
 
 MODES = ("eager", "fused")
+# The classes of kernel (bench/classify.py's table names them) each benchmark splits a profiled step
+# by: `flux2-fused bench` the sites the fused ops change, `flux2-fused step` what takes its GPU time.
 SITES = ("fused", "norm", "elementwise", "other")
-# The step benchmark's split of a step's CUDA kernels (bench/step.py's kernel_class names them).
 KERNEL_CLASSES = ("gemm", "attention", "fused", "collective", "other")
 INACTIVE = "n/a (fast path inactive)"
 
@@ -38,6 +39,12 @@ def _yes(flag: bool) -> str:
 def speedup_text(pct: float | None) -> str:
     """A speedup for people: signed percent, or why there is none."""
     return INACTIVE if pct is None else f"{pct:+.1f}%"
+
+
+def _gain_text(diff_ms: float, ci95_ms: float) -> str:
+    """A paired gain in ms and the half-width of its 95% confidence interval, as the step table prints
+    each (eager vs fused, compiled vs fused)."""
+    return f"{diff_ms:+.2f} +- {ci95_ms:.2f}"
 
 
 # --------------------------------------------------------------------------- output files
@@ -209,6 +216,29 @@ def format_summary(r: BenchReport) -> str:
 
 
 @dataclass
+class Paired:
+    """The fused step against another mode timed in turn with it: the difference of each pair (the
+    two steps at the same position), so clock drift from pair to pair, which hits both steps of a
+    pair alike, does not widen the interval as it would the medians' spread.
+
+    - diff_ms: mean over pairs of (other - fused), positive when fused is faster
+    - ci95_ms: half-width of the 95% confidence interval of diff_ms (NaN for one pair)
+    - fused_won: pairs where the fused step was faster
+    """
+
+    diff_ms: float
+    ci95_ms: float
+    fused_won: int
+
+    @classmethod
+    def of(cls, other: Sequence[float], fused: Sequence[float]) -> Paired:
+        """From the two modes' step times, paired by position."""
+        diffs = [o - f for o, f in zip(other, fused, strict=True)]
+        ci95 = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+        return cls(diff_ms=statistics.mean(diffs), ci95_ms=ci95, fused_won=sum(d > 0 for d in diffs))
+
+
+@dataclass
 class Timing:
     """Interleaved step times of the two modes: medians and the paired (same position) difference.
 
@@ -229,17 +259,16 @@ class Timing:
 
     @classmethod
     def of(cls, times: dict[bool, list[float]]) -> Timing:
-        """From the step times by mode (False: eager, True: fused), paired by position."""
+        """From the step times by mode (False: eager, True: fused), paired by position (`Paired`)."""
         eager_ms, fused_ms = statistics.median(times[False]), statistics.median(times[True])
-        diffs = [e - f for e, f in zip(times[False], times[True], strict=True)]
-        ci95 = 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+        paired = Paired.of(times[False], times[True])
         return cls(
             eager_ms=eager_ms,
             fused_ms=fused_ms,
             speedup_pct=100 * (eager_ms / fused_ms - 1),
-            paired_diff_ms=statistics.mean(diffs),
-            paired_ci95_ms=ci95,
-            fused_won=sum(d > 0 for d in diffs),
+            paired_diff_ms=paired.diff_ms,
+            paired_ci95_ms=paired.ci95_ms,
+            fused_won=paired.fused_won,
         )
 
 
@@ -304,6 +333,9 @@ class StepResult:
       waited for the host (the profiler's own launch overhead included)
     - compiled_ms: with --vs-compile, the median pipelined step of torch.compile(model) running the
       eager forward, timed in turn with the eager and fused steps of `pipelined`; else null
+    - compiled_vs_fused: with --vs-compile, Paired of those compiled steps against the fused steps of
+      `pipelined`, each with the fused step of its round (diff_ms positive when fused is faster); else
+      null
     - compiled_sha256: SHA-256 of that compiled step's output (Inductor's bits, not eager's), or null
     - compiled_fused_ms: with --vs-compile both, the median pipelined step of torch.compile(model)
       running the fused forward (its sites flux2_fused operators), timed in turn with the others; else
@@ -344,6 +376,7 @@ class StepResult:
     height: int | None = None
     busy_pct: dict[str, float] = field(default_factory=dict)
     compiled_ms: float | None = None
+    compiled_vs_fused: Paired | None = None
     compiled_sha256: str | None = None
     compiled_fused_ms: float | None = None
     compiled_fused_sha256: str | None = None
@@ -406,6 +439,7 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
         "fused ms",
         "speedup",
         "compiled ms (fused vs it)",
+        "fused vs compiled: paired gain ms (95% CI), fused won",
         "compiled + fused ms (vs compiled)",
         "CUDA graph ms (vs fused)",
         "GEMM + attention alone ms (fused above it)",
@@ -422,9 +456,12 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
         sha = r.fused_sha256[:16] if r.bit_exact else f"{r.eager_sha256[:12]} / {r.fused_sha256[:12]}"
         for label, t in (("synchronized", r.synchronized), ("pipelined", r.pipelined)):
             pipelined = label == "pipelined"
-            compiled = compiled_fused = graph = floor = "-"
+            compiled = vs_compiled = compiled_fused = graph = floor = "-"
             if pipelined and r.compiled_ms is not None:
                 compiled = f"{r.compiled_ms:.2f} ({speedup_text(100 * (r.compiled_ms / t.fused_ms - 1))})"
+            if pipelined and r.compiled_vs_fused is not None:
+                p = r.compiled_vs_fused
+                vs_compiled = f"{_gain_text(p.diff_ms, p.ci95_ms)}, {p.fused_won}/{r.steps}"
             if pipelined and r.compiled_fused_ms is not None and r.compiled_ms is not None:
                 gain = speedup_text(100 * (r.compiled_ms / r.compiled_fused_ms - 1))
                 compiled_fused = f"{r.compiled_fused_ms:.2f} ({gain})"
@@ -445,11 +482,12 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
                     f"{t.fused_ms:.2f}",
                     speedup_text(t.speedup_pct),
                     compiled,
+                    vs_compiled,
                     compiled_fused,
                     graph,
                     floor,
                     busy or "-",
-                    f"{t.paired_diff_ms:+.2f} +- {t.paired_ci95_ms:.2f}",
+                    _gain_text(t.paired_diff_ms, t.paired_ci95_ms),
                     f"{t.fused_won}/{r.steps}",
                     f"{r.eager_kernels} -> {r.fused_kernels}",
                     r.fused_kernel_launches,

@@ -27,14 +27,17 @@ Each reports the median step time per mode, the speedup, the mean of the paired 
 its 95% confidence interval and how many pairs the fused step won. Also: CUDA kernel launches per
 step (torch.profiler), the fused-kernel launches, and the SHA-256 of both outputs (identical when
 the fused path is bit-exact). The same profiled step of each mode is split by kernel class (GEMM,
-attention, fused, other; `kernel_class`) into kernel time and launches, printed as a second table:
-it shows how much of a step the fused ops can touch at all, GEMM and attention being the rest.
+attention, fused, other; `classify.kernel_class`) into kernel time and launches, printed as a
+second table: it shows how much of a step the fused ops can touch at all, GEMM and attention being
+the rest.
 
 Each mode's GPU busy % comes from a few pipelined steps under torch.profiler (`pipelined_busy_pct`):
 the share of their span the GPU spent in a kernel, copy or memset; below 100 it waited for the host.
 With --vs-compile a third mode, `torch.compile(model)` running the eager forward, takes turns with
-eager and fused in the pipelined timing: the three in one run, the compiled output's hash reported;
-`--vs-compile both` adds a fourth, the compiled fused forward (its sites flux2_fused operators).
+eager and fused in the pipelined timing: the three in one run, reported as the compiled step's
+median, its paired difference from the fused step (each round's two steps a pair, as eager's) with
+its 95% confidence interval, and the compiled output's hash; `--vs-compile both` adds a fourth, the
+compiled fused forward (its sites flux2_fused operators).
 --graph adds the fused step replayed from a CUDA graph (its output compared with eager's), --floor
 the step's GEMM and attention calls alone, replayed from a CUDA graph (`bench.floor`): the time an
 exact step can at best reach under the same clocks, each in turn with the rest.
@@ -57,7 +60,6 @@ import copy
 import functools
 import gc
 import hashlib
-import re
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
@@ -70,11 +72,13 @@ from torch.profiler import ProfilerActivity, profile
 from ..errors import BadValue, CommandError
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from . import flux1, hosts
+from .classify import tally
 from .floor import floor_step
 from .options import PX_PER_TOKEN, is_flux1, no_package_model, require_at_least_one
 from .report import (
     KERNEL_CLASSES,
     Breakdown,
+    Paired,
     StepResult,
     Timing,
     check_output,
@@ -83,39 +87,16 @@ from .report import (
 )
 from .timing import event_ms, graphed, pipelined_ms, rotated_order
 
-# This package's CUDA kernels, by a part of their names the profiler shows; a new fused op adds its
-# kernel here, and both benchmarks (this one and bench/denoise.py) then count it as fused.
-FUSED_KERNELS = ("gated_resnorm_kernel", "qk_norm_rope_kernel", "swiglu_kernel", "gelu_tanh_kernel")
-# The first pattern that matches a kernel's name gives its class, else "other". Fused comes first so
-# our kernels are never counted as anything else, and attention before gemm because the
-# memory-efficient SDPA kernels are CUTLASS kernels ("fmha_cutlassF_...").
-_KERNEL_CLASS_PATTERNS = (
-    ("fused", re.compile("|".join(map(re.escape, FUSED_KERNELS)))),
-    ("collective", re.compile(r"nccl", re.IGNORECASE)),
-    ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.IGNORECASE)),
-    # gemv: cuBLAS's matrix-vector kernels, which a linear over a single row (batch 1) may run.
-    ("gemm", re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas", re.IGNORECASE)),
-)
-
 
 def tensor_sha256(t: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes (as stored), so equal hashes mean bit-identical results."""
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
-def kernel_class(name: str) -> str:
-    """The class of a CUDA kernel, by its name: one of report.KERNEL_CLASSES, else other."""
-    return next((cls for cls, pattern in _KERNEL_CLASS_PATTERNS if pattern.search(name)), "other")
-
-
 def breakdown_of(kernels: Iterable[tuple[str, float]]) -> Breakdown:
-    """Kernel time (ms) and launches by class of (kernel name, duration in us) pairs; kept apart from
-    the profiler so the split can be tested without a GPU."""
-    kernel_ms, launches = dict.fromkeys(KERNEL_CLASSES, 0.0), dict.fromkeys(KERNEL_CLASSES, 0)
-    for name, us in kernels:
-        cls = kernel_class(name)
-        kernel_ms[cls] += us / 1e3
-        launches[cls] += 1
+    """Kernel time (ms) and launches by class (report.KERNEL_CLASSES) of (kernel name, duration in
+    us) pairs (`classify.tally`)."""
+    kernel_ms, launches = tally(kernels, KERNEL_CLASSES)
     return Breakdown(kernel_ms=kernel_ms, launches=launches)
 
 
@@ -384,6 +365,10 @@ def bench_size(
     def median(mode: str) -> float | None:
         return statistics.median(times[mode]) if mode in times else None
 
+    # Each compiled step against the fused step of its round: the same drift-cancelling pairs as
+    # eager's, so the compile column gets an interval, not only a median.
+    vs_compiled = Paired.of(times["compiled"], times["fused"]) if "compiled" in times else None
+
     def sha256(mode: str) -> str | None:
         return tensor_sha256(outputs[mode]) if mode in outputs else None
 
@@ -408,6 +393,7 @@ def bench_size(
         height=None if size is None else size[1],
         busy_pct=busy,
         compiled_ms=median("compiled"),
+        compiled_vs_fused=vs_compiled,
         compiled_sha256=sha256("compiled"),
         compiled_fused_ms=median("compiled-fused"),
         compiled_fused_sha256=sha256("compiled-fused"),

@@ -11,14 +11,26 @@ op plugs in.
 
 from . import gated_resnorm, gelu_tanh, qk_norm_rope, swiglu
 from .bits import bits_equal, every_bit_pattern, random_bits
-from .runtime import DISABLE_ENV, FusedOp, fast_path_reason, kill_switch, self_check_records
+from .runtime import (
+    DISABLE_ENV,
+    FusedOp,
+    fast_path_reason,
+    kill_switch,
+    module_sources,
+    self_check_records,
+)
 
-# Every op with a kernel: `flux2-fused build` compiles their specs, `flux2-fused verify` runs their
-# self-checks.
-OPS: tuple[FusedOp, ...] = (gated_resnorm.OP, qk_norm_rope.OP, swiglu.OP, gelu_tanh.OP)
+# Every op with a kernel, each package exporting its FusedOp (`OP`) and its kernel's name (`KERNEL`).
+_PACKAGES = (gated_resnorm, qk_norm_rope, swiglu, gelu_tanh)
+# `flux2-fused build` compiles their specs, `flux2-fused verify` runs their self-checks.
+OPS: tuple[FusedOp, ...] = tuple(package.OP for package in _PACKAGES)
+# Their kernels, by the name profilers show inside each launch's templated signature: how the
+# benchmarks and tests tell this package's launches from aten's, whatever the instantiation.
+FUSED_KERNELS: tuple[str, ...] = tuple(package.KERNEL for package in _PACKAGES)
 
 __all__ = [
     "DISABLE_ENV",
+    "FUSED_KERNELS",
     "OPS",
     "FusedOp",
     "bits_equal",
@@ -27,6 +39,7 @@ __all__ = [
     "gated_resnorm",
     "gelu_tanh",
     "kill_switch",
+    "module_sources",
     "qk_norm_rope",
     "random_bits",
     "self_check_records",

@@ -20,8 +20,9 @@ namespace {
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
-// Streams are [B, T, D] or [T, D] (one batch); modulation rows are [D], [B|1, D] or [B|1, 1, D].
-// Any batch and row strides, unit inner stride: FLUX.2's modulation chunks are strided views.
+// Streams are [B, T, D] or [T, D] (one batch); modulation rows are [D], [1, D] or [B|1, 1, D],
+// broadcast over tokens. A 2-D modulation is one row: eager broadcasts a [B, D] one per token, not
+// per batch. Any batch and row strides, unit inner stride: FLUX.2's modulation chunks are strided views.
 struct RowLayout {
   int64_t batch_stride, row_stride;
 };
@@ -34,8 +35,9 @@ RowLayout stream_layout(const TensorView& t, const char* name) {
 }
 
 int64_t modulation_batch_stride(const TensorView& t, int64_t dim, const char* name) {
-  TVM_FFI_ICHECK(t.ndim() >= 1 && t.ndim() <= 3 && t.size(-1) == dim && t.stride(-1) == 1)
-      << name << " must be [D], [B, D] or [B, 1, D] with unit inner stride";
+  TVM_FFI_ICHECK(t.ndim() >= 1 && t.ndim() <= 3 && t.size(-1) == dim && t.stride(-1) == 1 &&
+                 (t.ndim() != 2 || t.size(0) == 1) && (t.ndim() != 3 || t.size(1) == 1))
+      << name << " must be [D], [1, D] or [B, 1, D] with unit inner stride";
   return (t.ndim() == 1 || t.size(0) == 1) ? 0 : t.stride(0);
 }
 

@@ -116,7 +116,7 @@ template <typename T>
 struct Segment {
   const T* residual;     // [B, rows, D], stride(-1) == 1
   const T* update;       // same shape as residual (unused without the gated add)
-  const T* gate;         // [B or 1, D] rows, broadcast over tokens
+  const T* gate;         // one row of D a batch ([B, 1, D]) or one for all, broadcast over tokens
   int64_t residual_batch_stride, residual_row_stride;
   int64_t update_batch_stride, update_row_stride;
   int64_t gate_batch_stride;  // 0 when broadcast over the batch
@@ -130,7 +130,7 @@ struct Params {
   int64_t rows_per_batch;  // T (tokens)
   T* out;                  // [B, T, D] contiguous
   T* residual_out;         // [B, T, D] contiguous, or nullptr to skip writing it
-  const T* scale;          // [B or 1, D]
+  const T* scale;          // like gate: a row of D a batch, or one for all
   const T* shift;
   int64_t scale_batch_stride, shift_batch_stride;
   int32_t dim;    // D, a multiple of 4

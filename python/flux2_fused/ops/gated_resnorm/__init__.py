@@ -25,7 +25,7 @@ from .guards import (
     gated_resnorm_decline_reason,
     modnorm_decline_reason,
 )
-from .launch import launch
+from .launch import KERNEL, launch
 from .reference import Segment
 from .selfcheck import OP, Config, self_check
 
@@ -168,6 +168,7 @@ gated_resnorm_reference = reference.gated_resnorm
 modnorm_reference = reference.modnorm
 
 __all__ = [
+    "KERNEL",
     "MAX_DIM",
     "OP",
     "SUPPORTED_DTYPES",

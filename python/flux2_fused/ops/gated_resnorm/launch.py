@@ -12,6 +12,7 @@ from .reference import Segment
 SPEC = jit.KernelSpec(
     "gated_resnorm", sources=("gated_resnorm.cu",), headers=("gated_resnorm.cuh", "common.cuh", "entry.cuh")
 )
+KERNEL = "gated_resnorm_kernel"  # SPEC's __global__ function, by which profilers name it (ops.FUSED_KERNELS)
 
 
 def launch(
@@ -21,8 +22,9 @@ def launch(
     both gated or both plain); returns (out, residual_out), residual_out None unless write_residual,
     each shaped as eager's broadcasting would shape it.
 
-    The per-site hot path: the C++ entry reads [T, D] / [B, T, D] streams and [D] / [B, D] /
-    [B, 1, D] rows as given (no tensor views made here), and what is absent (the update of a plain
+    The per-site hot path: the C++ entry reads [T, D] / [B, T, D] streams and the modulation rows
+    the guards accept, [D] / [1, D] / [1|B, 1, D] (one row a batch or one for all, broadcast over
+    tokens), as given (no tensor views made here), and what is absent (the update of a plain
     segment, the second segment, residual_out) is passed as None rather than as a stand-in tensor.
     """
     first = rows[0]

@@ -19,7 +19,7 @@ import torch
 from ..rowwise import RowOp
 from . import guards, reference
 from .guards import SUPPORTED_DTYPES, decline_reason
-from .launch import launch
+from .launch import KERNEL, launch
 from .selfcheck import OP, Config, self_check
 
 
@@ -62,6 +62,7 @@ def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 __all__ = [
+    "KERNEL",
     "OP",
     "SUPPORTED_DTYPES",
     "Config",

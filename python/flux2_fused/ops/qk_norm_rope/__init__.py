@@ -19,7 +19,7 @@ import torch
 
 from . import guards, reference
 from .guards import SUPPORTED_DTYPES, segment_decline_reason, value_decline_reason
-from .launch import launch
+from .launch import KERNEL, launch
 from .reference import Segment
 from .selfcheck import HEAD_DIM, OP, Config, self_check
 
@@ -152,6 +152,7 @@ def qk_norm_rope(
 
 __all__ = [
     "HEAD_DIM",
+    "KERNEL",
     "OP",
     "SUPPORTED_DTYPES",
     "Config",

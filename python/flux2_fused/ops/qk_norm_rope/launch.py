@@ -12,6 +12,7 @@ from .reference import Segment
 SPEC = jit.KernelSpec(
     "qk_norm_rope", sources=("qk_norm_rope.cu",), headers=("qk_norm_rope.cuh", "common.cuh", "entry.cuh")
 )
+KERNEL = "qk_norm_rope_kernel"  # SPEC's __global__ function, by which profilers name it (ops.FUSED_KERNELS)
 
 
 def launch(

@@ -17,7 +17,7 @@ import torch
 from ..rowwise import RowOp
 from . import guards, reference
 from .guards import SUPPORTED_DTYPES, decline_reason
-from .launch import launch
+from .launch import KERNEL, launch
 from .selfcheck import OP, Config, self_check
 
 
@@ -57,6 +57,7 @@ def swiglu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 __all__ = [
+    "KERNEL",
     "OP",
     "SUPPORTED_DTYPES",
     "Config",

@@ -9,6 +9,7 @@ from .. import jit
 SPEC = jit.KernelSpec(
     "swiglu", sources=("swiglu.cu",), headers=("swiglu.cuh", "rowwise.cuh", "common.cuh", "entry.cuh")
 )
+KERNEL = "swiglu_kernel"  # SPEC's __global__ function, by which profilers name it (ops.FUSED_KERNELS)
 
 
 def launch(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
