@@ -1,6 +1,8 @@
 """Shared test configuration: tests marked `gpu` skip cleanly where CUDA is absent; counting which
-route a block took (the family's block code, or the host's own call)."""
+route a block took (the family's block code, or the host's own call); counting our kernels' launches
+and how many a call with every site fused makes."""
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -8,6 +10,15 @@ import pytest
 import torch
 
 from flux2_fused.models.flux2 import blocks
+from flux2_fused.ops import FUSED_KERNELS
+
+# Our launches in one transformer call with every site fused, the same for both families: a double
+# block's four modulated norms (norm1 and norm2 of each stream), its joint q/k/v prologue and its two
+# feed-forwards' activations (SwiGLU in FLUX.2, the tanh GELU in FLUX.1); a single block's norm, its
+# prologue and its MLP's activation; one output norm. klein-4B (5 double, 20 single blocks): 96.
+DOUBLE_BLOCK_SITES = 4 + 1 + 2
+SINGLE_BLOCK_SITES = 1 + 1 + 1
+OUTPUT_SITES = 1
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -38,3 +49,16 @@ def count_block_code(monkeypatch: pytest.MonkeyPatch, name: str, family: ModuleT
 def double_blocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry each time a double block runs the family's block code."""
     return count_block_code(monkeypatch, "double_block_body")
+
+
+def fused_sites(double_blocks: int, single_blocks: int) -> int:
+    """Our launches in one call of a transformer of these blocks with every site fused."""
+    return DOUBLE_BLOCK_SITES * double_blocks + SINGLE_BLOCK_SITES * single_blocks + OUTPUT_SITES
+
+
+def fused_launches(fn: Callable[[], object]) -> int:
+    """Our kernels' launches in one call of fn (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(any(k in e.name for k in FUSED_KERNELS) for e in prof.events() if e.device_type.name == "CUDA")

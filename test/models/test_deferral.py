@@ -120,7 +120,7 @@ def test_block_public_forward_returns_tensors(fused_cpu):
     block = model.transformer_blocks[0]
     x, c = torch.randn(1, 8, TINY.inner_dim), torch.randn(1, 3, TINY.inner_dim)
     mod = torch.randn(1, 6 * TINY.inner_dim)
-    rope = model.rope(torch.zeros(8, 4), torch.zeros(3, 4), x.device)
+    rope = blocks.joint_rope(model.pos_embed, HOST, torch.zeros(8, 4), torch.zeros(3, 4), x.device)
     c_out, x_out = block(x, c, mod, mod, rope)  # diffusers' order: text, then image
     assert isinstance(x_out, torch.Tensor) and isinstance(c_out, torch.Tensor)
     x_p, c_p = blocks.double_block_body(block, HOST, model.fusion, x, c, mod, mod, rope)

@@ -18,6 +18,8 @@ import pytest
 
 from flux2_fused.ops import OPS, bundle, jit
 
+from .fatbin import fatbin_targets
+
 REPO = Path(__file__).resolve().parents[2]
 SPEC = OPS[0].spec
 WHEEL_ARCHS = {f"sm_{a.replace('.', '')}" for a in bundle.ARCHS} | {"ptx_120"}
@@ -216,7 +218,7 @@ def test_each_module_is_self_contained(op: str, modules: dict[str, Path]) -> Non
         [_tool("nm"), "-D", "--defined-only", str(library)], capture_output=True, text=True
     ).stdout.split()[2::3]
     assert f"__tvm_ffi_{op}" in exported and all(name.startswith("__tvm_ffi_") for name in exported)
-    assert bundle.fatbin_targets(library) == WHEEL_ARCHS
+    assert fatbin_targets(library) == WHEEL_ARCHS
 
 
 def test_the_installed_wheel_loads_its_modules_without_a_toolkit(wheel: Path, tmp_path: Path) -> None:

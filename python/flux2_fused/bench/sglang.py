@@ -8,9 +8,10 @@ global server arguments (attention backend torch_sdpa, so its attention is diffu
 and a forward context around each call (`prepare_runtime`, `call`). Where this environment lacks a
 package sglang imports on this path but never calls into here (torchvision without a build matching
 torch; sgl-kernel, whose wheels pin another torch), `prepare_runtime` puts a stub in its place that
-raises if anything of it is used. sglang's pipeline passes the timestep already x1000 and the RoPE
-tables of the joint text-then-image ids; `sglang_inputs` does the same from diffusers' arguments, with
-the scaled timestep computed as diffusers' forward computes it (so both models see the same values).
+raises if anything of it is used, until `release_runtime` takes the stubs away. sglang's pipeline
+passes the timestep already x1000 and the RoPE tables of the joint text-then-image ids;
+`sglang_inputs` does the same from diffusers' arguments, with the scaled timestep computed as
+diffusers' forward computes it (so both models see the same values).
 """
 
 from __future__ import annotations
@@ -81,10 +82,14 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, package: str) -> None:
         self.package = package
 
+    def covers(self, name: str) -> bool:
+        """`name` is the stubbed package or one of its submodules."""
+        return name == self.package or name.startswith(f"{self.package}.")
+
     def find_spec(
         self, name: str, path: Any = None, target: Any = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if name != self.package and not name.startswith(f"{self.package}."):
+        if not self.covers(name):
             return None
         return importlib.machinery.ModuleSpec(name, self, is_package=True)
 
@@ -98,10 +103,29 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+# The stub finders `_stub` put on sys.meta_path, for `release_runtime` to take away.
+_STUB_FINDERS: list[_StubFinder] = []
+
+
 def _stub(package: str) -> None:
-    for name in [name for name in sys.modules if name == package or name.startswith(f"{package}.")]:
+    finder = _StubFinder(package)
+    for name in [name for name in sys.modules if finder.covers(name)]:
         del sys.modules[name]  # a half-imported real package
-    sys.meta_path.insert(0, _StubFinder(package))
+    sys.meta_path.insert(0, finder)
+    _STUB_FINDERS.append(finder)
+
+
+def _remove_stubs() -> None:
+    """Take every stub finder off sys.meta_path and the stub modules it made out of sys.modules, so
+    a later import of those names reaches the real package again (or fails, as it did before)."""
+    for finder in _STUB_FINDERS:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+        for name in [name for name in sys.modules if finder.covers(name)]:
+            spec = getattr(sys.modules[name], "__spec__", None)
+            if spec is not None and spec.loader is finder:
+                del sys.modules[name]
+    _STUB_FINDERS.clear()
 
 
 def _importable(package: str) -> bool:
@@ -211,17 +235,21 @@ def generate(
 
 
 def release_runtime() -> None:
-    """Undo `prepare_runtime`'s one-rank group and its torchrun-style environment (a process that
-    goes on, such as a test run, must not look like a distributed job afterwards)."""
-    from sglang.multimodal_gen.runtime.distributed import parallel_state
-
-    parallel_state.cleanup_dist_env_and_memory()
+    """Undo `prepare_runtime` (and `sglang_pipeline`): the one-rank group, its torchrun-style
+    environment and the stubs. A process that goes on, such as a test run, must not look like a
+    distributed job afterwards, nor get a stub where it imports torchvision. sglang's group exists
+    only where `_one_rank_group` imported its parallel state, so a runtime that failed before that
+    (sglang not importable) still has its stubs taken away."""
+    parallel_state = sys.modules.get("sglang.multimodal_gen.runtime.distributed.parallel_state")
+    if parallel_state is not None:
+        parallel_state.cleanup_dist_env_and_memory()
     for key, value in _SAVED_ENVIRONMENT.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
     _SAVED_ENVIRONMENT.clear()
+    _remove_stubs()
 
 
 def sglang_dit(reference: nn.Module) -> nn.Module:

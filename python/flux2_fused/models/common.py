@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..host import Attention, Host, RMSNormParameters
-from ..ops import qk_norm_rope
+from ..ops import qk_norm_rope, swiglu
 from .deferral import Fusion, Stream, materialize, stream_dtype
 
 # (cos, sin) RoPE tables, [S_txt + S_img, head_dim] each, text rows first.
@@ -191,3 +191,33 @@ def output_norm(
     if output_norm_plain(host, norm_out):
         return output_norm_body(norm_out, host, fusion, x, temb)
     return host.call(norm_out, materialize(x), temb)
+
+
+# The SwiGLU MLP FLUX.2 and FLUX.3 share (diffusers' `Flux2FeedForward` / `Flux3FeedForward`).
+
+
+def activation_plain(host: Host, act: nn.Module | None) -> bool:
+    """A SwiGLU held as a module (diffusers' `Flux2SwiGLU`, absent in the package's model) may be
+    computed by the op: it is plain, and so is every module it calls (its `gate_fn`, a SiLU)."""
+    if act is None:
+        return True
+    children = list(act.children())
+    return host.plain(act) and all(type(child) is nn.SiLU and host.plain(child) for child in children)
+
+
+def swiglu_mlp(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP: linear_in D -> 2H, silu(a) * b, linear_out H -> D."""
+    return host.linear(ff.linear_out, swiglu.apply(host.linear(ff.linear_in, x), enabled=fusion.fused))
+
+
+def feed_forward_plain(host: Host, ff: nn.Module) -> bool:
+    """The block code may compute this MLP: `ff` and its activation module (where it has one) plain."""
+    return host.plain(ff) and activation_plain(host, getattr(ff, "act_fn", None))
+
+
+def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
+    """The block code's MLP where `ff` (and its activation module, where it has one) is plain, else
+    the module's own call."""
+    if feed_forward_plain(host, ff):
+        return swiglu_mlp(ff, host, fusion, x)
+    return host.call(ff, x)

@@ -14,14 +14,9 @@ import torch
 
 from flux2_fused.models.flux2 import Flux2Config
 
+from ...conftest import fused_sites
+
 pytestmark = pytest.mark.gpu
-
-
-def _fully_fused(config: Flux2Config) -> int:
-    """Launches of a klein-4B step with every site fused (as on one GPU): the residual/norm chain,
-    one q/k/v prologue a block, a SwiGLU a double block stream and a single block."""
-    layers, single = config.num_layers, config.num_single_layers
-    return 41 + (layers + single) + 2 * layers + single
 
 
 @pytest.mark.parametrize("plan", ["ulysses=2", "ring=2", "tp=2"])
@@ -34,6 +29,7 @@ def test_two_gpu_plans_equal_diffusers_and_fuse_every_site(plan: str, tmp_path: 
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(report.read_text())
     assert result["bit_exact"] and result["world"] == 2
-    expected = _fully_fused(Flux2Config.preset("klein-4b"))
+    config = Flux2Config.preset("klein-4b")
+    expected = fused_sites(config.num_layers, config.num_single_layers)  # every site, as on one GPU
     assert result["single_fused_launches"] == expected
     assert result["fused_launches_per_rank"] == [expected, expected]

@@ -16,7 +16,7 @@ from flux2_fused.integrations.diffusers import DiffusersHost, enable, patch
 from flux2_fused.integrations.diffusers.slots import forward_slots
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 
-from ...conftest import count_block_code
+from ...conftest import count_block_code, fused_launches, fused_sites
 from ...models.flux2.test_model import TINY, diffusers_model, image_ids, text_ids
 
 attention_backend = pytest.importorskip("diffusers.models.attention_dispatch").attention_backend
@@ -61,16 +61,6 @@ def test_patch_rejects_other_modules():
         enable(torch.nn.Linear(2, 2))
 
 
-def _fused_launches(fn) -> int:
-    """Our kernels' launches in one call of fn (torch.profiler)."""
-    from flux2_fused.bench.step import FUSED_KERNELS
-
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(any(k in e.name for k in FUSED_KERNELS) for e in prof.events() if e.device_type.name == "CUDA")
-
-
 @pytest.mark.gpu
 def test_patch_on_klein_4b_is_bit_identical():
     _roundtrip(Flux2Config.preset("klein-4b"), "cuda", torch.bfloat16, img=1024, txt=128)
@@ -80,8 +70,8 @@ def test_patch_on_klein_4b_is_bit_identical():
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
 def test_klein_4b_fuses_on_diffusers_modules(lora: bool):
     """diffusers' own klein-4B modules, with and without a peft LoRA: every site fused (the same
-    launch count as the package's model: 41 residual/norm, 25 q/k/v prologues, 30 SwiGLUs), output
-    equal to diffusers alone."""
+    launch count as the package's model: 41 residual/norm, 25 q/k/v prologues, 30 SwiGLUs; 96 in
+    all), output equal to diffusers alone."""
     peft = pytest.importorskip("peft")
     config = Flux2Config.preset("klein-4b")
     reference = diffusers_model(Flux2Transformer.random(config, seed=5, device="cuda", dtype=torch.bfloat16))
@@ -95,17 +85,11 @@ def test_klein_4b_fuses_on_diffusers_modules(lora: bool):
     with torch.inference_mode(), attention_backend("native"):
         handle = enable(reference)
         patched = reference(**inputs).sample
-        launches = _fused_launches(lambda: reference(**inputs))
+        launches = fused_launches(lambda: reference(**inputs))
         handle.disable()
         expected = reference(**inputs).sample
     assert torch.equal(patched, expected)
-    assert (
-        launches
-        == 41
-        + (config.num_layers + config.num_single_layers)
-        + 2 * config.num_layers
-        + config.num_single_layers
-    )
+    assert launches == fused_sites(config.num_layers, config.num_single_layers)
 
 
 class _Wrapped(torch.nn.Module):
@@ -966,3 +950,22 @@ def test_compiled_kv_extraction_with_reference_rows_equals_diffusers() -> None:
     finally:
         torch.compiler.reset()
     assert torch.equal(compiled.sample, expected.sample)
+
+
+def test_the_handle_says_whether_kernels_can_run_where_the_model_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`print(handle)` of an active patch on a CPU model must not read as kernels running there; the
+    answer is the ops' own (`fast_path_reason`) for the device and dtype of the model's parameters."""
+    from flux2_fused import integrations
+
+    model = _model()
+    handle = enable(model)
+    assert repr(handle) == (
+        "FusedHandle(Flux2Transformer2DModel, fused=True, active, "
+        "kernels off here: the fused ops run on CUDA GPUs, not on cpu)"
+    )
+    asked = []
+    monkeypatch.setattr(integrations, "fast_path_reason", lambda *where: asked.append(where))
+    assert repr(handle) == "FusedHandle(Flux2Transformer2DModel, fused=True, active, kernels can run on cpu)"
+    assert asked == [(torch.device("cpu"), torch.float32)]
+    handle.disable()
+    assert repr(handle) == "FusedHandle(Flux2Transformer2DModel, fused=True, disabled)"

@@ -2,25 +2,37 @@
 
 The graph is run by a recording backend that executes the traced aten graph as is, so the compiled
 output must equal the eager model bit for bit: each custom op is the fused kernel or the eager chain
-(on the CPU always the latter), and nothing else changes. Inductor itself is not bit-exact, which is
-why the compiled-tier speed is a benchmark (`bench.step --compile`), not a test.
+(on the CPU always the latter; on a GPU the kernel, which the GPU test counts), and nothing else
+changes. Inductor itself is not bit-exact, which is why the compiled-tier speed is a benchmark
+(`bench.step --compile`), not a test.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from flux2_fused.models.flux2 import Flux2Transformer
 
+from ...conftest import fused_launches, fused_sites
 from ..test_deferral import make_inputs
 from .test_model import TINY
 
+# TINY's structure at a shape every op's kernel takes on a GPU: heads of 128 (the only head_dim the
+# q/k prologue kernel reproduces; TINY's 16 always declines), two of them (D = 256, SwiGLU width 768).
+COMPILED = dataclasses.replace(TINY, attention_head_dim=128, num_attention_heads=2, axes_dims_rope=(32,) * 4)
 
-def _compile_and_compare(device: str, dtype: torch.dtype) -> None:
-    model = Flux2Transformer.random(TINY, seed=2, device=device, dtype=dtype)
+
+def _compile_and_compare(device: str, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """Compiles the model with the recording backend, checks its one graph's operators and that its
+    output equals eager's; returns the compiled call, for a GPU test to count its launches."""
+    model = Flux2Transformer.random(COMPILED, seed=2, device=device, dtype=dtype)
     inputs = {
-        k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in make_inputs(TINY, 2, 33, 7).items()
+        k: v.to(device) if isinstance(v, torch.Tensor) else v
+        for k, v in make_inputs(COMPILED, 2, 33, 7).items()
     }
     inputs["hidden_states"] = inputs["hidden_states"].to(dtype)
     inputs["encoder_hidden_states"] = inputs["encoder_hidden_states"].to(dtype)
@@ -31,23 +43,24 @@ def _compile_and_compare(device: str, dtype: torch.dtype) -> None:
         return gm.forward
 
     torch.compiler.reset()
+    compiled_model = torch.compile(model, fullgraph=True, backend=recording_backend)
     with torch.inference_mode():
-        compiled = torch.compile(model, fullgraph=True, backend=recording_backend)(**inputs)
+        compiled = compiled_model(**inputs)
         eager = model(**inputs)
     assert len(graphs) == 1
     targets = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
     gated = targets.count(torch.ops.flux2_fused.gated_resnorm.default)
     plain = targets.count(torch.ops.flux2_fused.modnorm.default)
+    layers, single = COMPILED.num_layers, COMPILED.num_single_layers
     # Every norm but the two first ones and the one after the concat consumes a pending update.
-    assert gated + plain == 4 * TINY.num_layers + TINY.num_single_layers + 1
+    assert gated + plain == 4 * layers + single + 1
     assert plain == 3
     # q and k (and a double block's v) of every block: one attention-prologue operator.
-    assert (
-        targets.count(torch.ops.flux2_fused.qk_norm_rope.default) == TINY.num_layers + TINY.num_single_layers
-    )
+    assert targets.count(torch.ops.flux2_fused.qk_norm_rope.default) == layers + single
     # SwiGLU: both feed-forwards of a double block, the MLP part of a single block.
-    assert targets.count(torch.ops.flux2_fused.swiglu.default) == 2 * TINY.num_layers + TINY.num_single_layers
+    assert targets.count(torch.ops.flux2_fused.swiglu.default) == 2 * layers + single
     assert torch.equal(compiled, eager)
+    return lambda: compiled_model(**inputs)
 
 
 def test_fullgraph_compile_keeps_every_site_cpu():
@@ -56,7 +69,12 @@ def test_fullgraph_compile_keeps_every_site_cpu():
 
 @pytest.mark.gpu
 def test_fullgraph_compile_keeps_every_site_gpu():
-    _compile_and_compare("cuda", torch.bfloat16)
+    """On a GPU each operator of the compiled graph runs its kernel: as many launches in a compiled
+    call as sites (the norm after the concat one launch, as in eager, on the concat the graph makes)."""
+    call = _compile_and_compare("cuda", torch.bfloat16)
+    with torch.inference_mode():
+        launches = fused_launches(call)
+    assert launches == fused_sites(COMPILED.num_layers, COMPILED.num_single_layers)
 
 
 def test_compiled_training_step_matches_the_unfused_graph_cpu():

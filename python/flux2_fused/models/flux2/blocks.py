@@ -30,8 +30,10 @@ from ...ops import swiglu
 from ..common import (
     Options,
     Rope,
+    activation_plain,
     call_double_block,
     double_block_mlps,
+    feed_forward,
     joint_attention_rows,
     layer_norms_plain,
     output_norm,
@@ -41,15 +43,6 @@ from ..common import (
 from ..deferral import Fusion, PendingConcat, Stream, materialize, stream_rows
 
 DOUBLE_NORMS = ("norm1", "norm1_context", "norm2", "norm2_context")
-
-
-def activation_plain(host: Host, act: nn.Module | None) -> bool:
-    """A SwiGLU held as a module (diffusers' `Flux2SwiGLU`, absent in the package's model) may be
-    computed by the op: it is plain, and so is every module it calls (its `gate_fn`, a SiLU)."""
-    if act is None:
-        return True
-    children = list(act.children())
-    return host.plain(act) and all(type(child) is nn.SiLU and host.plain(child) for child in children)
 
 
 def double_attention(
@@ -122,24 +115,6 @@ def single_attention(
     if attend is None or not activation_plain(host, getattr(attn, "mlp_act_fn", None)):
         return host.call(attn, hidden_states=h, image_rotary_emb=rope, **(options or {}))
     return parallel_attention(attn, host, fusion, h, rope, attend)
-
-
-def swiglu_mlp(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU MLP: linear_in D -> 2H, silu(a) * b, linear_out H -> D."""
-    return host.linear(ff.linear_out, swiglu.apply(host.linear(ff.linear_in, x), enabled=fusion.fused))
-
-
-def feed_forward_plain(host: Host, ff: nn.Module) -> bool:
-    """The block code may compute this MLP: `ff` and its activation module (where it has one) plain."""
-    return host.plain(ff) and activation_plain(host, getattr(ff, "act_fn", None))
-
-
-def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
-    """The block code's MLP where `ff` (and its activation module, where it has one) is plain, else
-    the module's own call."""
-    if feed_forward_plain(host, ff):
-        return swiglu_mlp(ff, host, fusion, x)
-    return host.call(ff, x)
 
 
 def double_block_body(

@@ -24,17 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...host import ModuleHost, sdpa
-from ..common import Options, Rope, output_norm_body
+from ..common import Options, Rope, output_norm_body, swiglu_mlp
 from ..deferral import Fusion
 from ..weights import CONFIG_NAME, WeightsError, read_config, save_folder, shard_files, stream_into
 from .blocks import (
     conditioning,
     double_attention,
     double_block_call,
-    joint_rope,
     parallel_attention,
     single_block_call,
-    swiglu_mlp,
     transformer,
 )
 from .config import Flux2Config
@@ -351,13 +349,6 @@ class Flux2Transformer(nn.Module):
     @fused.setter
     def fused(self, value: bool) -> None:
         self.fusion.fused = bool(value)
-
-    def rope(self, img_ids: torch.Tensor, txt_ids: torch.Tensor, device: torch.device) -> Rope:
-        """Joint RoPE tables, text rows first, built where the ids live and then moved to `device`.
-
-        Batched ids [B, S, n_axes] use the first batch element's ids, as diffusers does.
-        """
-        return joint_rope(self.pos_embed, HOST, img_ids, txt_ids, device)
 
     def forward(
         self,

@@ -27,13 +27,11 @@ from torch import nn
 
 from ...host import call_arguments
 from ...integrations.sglang.host import SglangHost
-from ..common import Rope, output_norm_plain, qk_norms
+from ..common import Rope, activation_plain, feed_forward_plain, output_norm_plain, qk_norms
 from ..deferral import Fusion
 from .blocks import (
     Conditioning,
-    activation_plain,
     double_block_plain,
-    feed_forward_plain,
     single_block_plain,
     transformer,
 )
