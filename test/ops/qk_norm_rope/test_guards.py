@@ -1,6 +1,7 @@
 """CPU tests of the qk_norm_rope guards and entry point: every decline reason with its message (q/k
-segments, v segments, what one launch needs across them), the validated op's errors, garbage that
-never raises, and the entry point's fallback on the CPU."""
+segments, v segments, what one launch needs across them), in FLUX.2's mode and the upcast mode
+(FLUX.3), the validated op's errors, garbage that never raises, and the entry point's fallback on
+the CPU."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 from flux2_fused.ops import qk_norm_rope, runtime, verdicts
 from flux2_fused.ops.qk_norm_rope import (
     HEAD_DIM,
+    OP,
+    Config,
     Segment,
     decline_reason,
     guards,
@@ -25,6 +28,7 @@ from ..conftest import as_cuda, misaligned, reason_templates, untested
 
 B, S, H = 2, 5, 3
 BF16 = torch.bfloat16
+F32 = torch.float32
 
 
 def _x(tokens: int = S, *, dtype: torch.dtype = BF16, cuda: bool = True, width: int = H * HEAD_DIM) -> Any:
@@ -91,6 +95,10 @@ CASES: dict[str, tuple[tuple[Any, ...], str]] = {
     "weight dtype": (
         _args(weight=as_cuda(torch.zeros(HEAD_DIM, dtype=torch.float16))),
         "weight is torch.float16, x is torch.bfloat16 (eager would promote)",
+    ),
+    "float32 weight outside the upcast mode": (
+        _args(weight=as_cuda(torch.zeros(HEAD_DIM, dtype=F32))),
+        "weight is torch.float32, x is torch.bfloat16 (eager would promote)",
     ),
     "weight device": (
         _args(weight=as_cuda(torch.zeros(HEAD_DIM, dtype=BF16), 1)),
@@ -250,7 +258,160 @@ def test_apply_on_the_cpu_is_the_eager_chain(with_v: bool) -> None:
 def test_every_decline_reason_has_a_case() -> None:
     produced = [reason for _, reason in CASES.values()] + list(LAYOUT_CASES.values())
     produced += [reason for _, reason in V_CASES.values()]
+    produced += [reason for _, reason in UPCAST_CASES.values()]
     templates = reason_templates(guards, qk_norm_rope)
     assert len(templates) >= 15
     missing = untested(templates, produced)
     assert not missing, f"decline reasons without a test case: {missing}"
+
+
+# The upcast mode (FLUX.3): the same checks with a float32 weight, which must be 16-byte aligned
+# (aten's float RMSNorm kernel loads four floats at a time; 8 bytes would run its other reduction).
+
+
+def _upcast_weight(weight: Any) -> Any:
+    """A FLUX.2 case's bf16 [128] weight as the upcast mode's float32 one, on the same device; any
+    other weight (the case's subject) as it is."""
+    if isinstance(weight, torch.Tensor) and weight.dtype == BF16 and weight.shape == (HEAD_DIM,):
+        return as_cuda(
+            torch.zeros(HEAD_DIM, dtype=F32, requires_grad=weight.requires_grad), weight.device.index
+        )
+    return weight
+
+
+UPCAST_REASONS = {  # where the upcast mode's message differs from FLUX.2's for the same case
+    "weight dtype": "weight is torch.float16, the upcast rows are torch.float32 (eager would promote)",
+    "float32 weight outside the upcast mode": None,  # accepted: the upcast mode's weight is float32
+}
+
+UPCAST_CASES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "bf16 weight": (
+        _args(weight=as_cuda(torch.zeros(HEAD_DIM, dtype=BF16))),
+        "weight is torch.bfloat16, the upcast rows are torch.float32 (eager would promote)",
+    ),
+    "fp16 rows, fp16 weight": (
+        _args(x=_x(dtype=torch.float16), weight=as_cuda(torch.zeros(HEAD_DIM, dtype=torch.float16))),
+        "weight is torch.float16, the upcast rows are torch.float32 (eager would promote)",
+    ),
+    "weight 4 bytes off": (
+        _args(weight=as_cuda(misaligned(HEAD_DIM, dtype=F32))),
+        "weight data pointer is not 16-byte aligned",
+    ),
+    "weight 8 bytes off": (
+        _args(weight=as_cuda(torch.zeros(HEAD_DIM + 2, dtype=F32)[2:])),
+        "weight data pointer is not 16-byte aligned",
+    ),
+    "float32 rows": (
+        _args(x=_x(dtype=F32), weight=as_cuda(torch.zeros(HEAD_DIM, dtype=F32))),
+        "dtype torch.float32 is not supported (bfloat16, float16)",
+    ),
+}
+
+
+def _expect_decline(args: tuple[Any, ...], expected: str, upcast: bool) -> None:
+    """The reason, the guard, the entry point and the validated op, in this mode."""
+    reason = segment_decline_reason(*args, upcast=upcast)
+    assert reason == expected
+    assert guards.segment_guard(upcast)(*args) is False
+    rows = [Segment(args[0], args[1])]
+    assert decline_reason(rows, rows, *args[2:], upcast=upcast) == expected
+    assert qk_norm_rope.fused(rows, rows, *args[2:], 1e-6, upcast=upcast) is None
+    error = TypeError if isinstance(reason, TypeReason) else ValueError
+    with pytest.raises(error, match=f"^{re.escape('flux2-fused: ' + expected)}$"):
+        qk_norm_rope.qk_norm_rope(rows, rows, *args[2:], upcast=upcast)
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.usefixtures("accept_runtime")
+def test_upcast_declines_what_flux2s_mode_declines(name: str) -> None:
+    """Every FLUX.2 case with the upcast mode's float32 weight: the same reason, except the weight's dtype."""
+    args, expected = CASES[name]
+    args = (args[0], _upcast_weight(args[1]), *args[2:])
+    expected = UPCAST_REASONS.get(name, expected)
+    if expected is None:
+        assert segment_decline_reason(*args, upcast=True) is None and guards.upcast_segment(*args)
+        return
+    _expect_decline(args, expected, upcast=True)
+
+
+@pytest.mark.parametrize("name", UPCAST_CASES)
+@pytest.mark.usefixtures("accept_runtime")
+def test_upcast_decline_reason(name: str) -> None:
+    args, expected = UPCAST_CASES[name]
+    _expect_decline(args, expected, upcast=True)
+
+
+@pytest.mark.usefixtures("accept_runtime")
+def test_upcast_accepts_flux3_layouts() -> None:
+    """A float32 weight: one segment of dense rows (separate projections), chunks of a fused qkv
+    projection, and the two-segment layout with v; FLUX.2's mode declines the same weight."""
+    weight, cos, sin = as_cuda(torch.zeros(HEAD_DIM, dtype=F32)), _table(), _table()
+    dense = _x()
+    qkv = as_cuda(_x(width=3 * H * HEAD_DIM, cuda=False)[:, :, H : 2 * H])
+    for x in (dense, qkv, _x(dtype=torch.float16)):
+        assert segment_decline_reason(x, weight, cos, sin, upcast=True) is None
+        assert guards.upcast_segment(x, weight, cos, sin)
+        assert segment_decline_reason(x, weight, cos, sin) is not None and not guards.segment(
+            x, weight, cos, sin
+        )
+    rows = [Segment(_x(2), weight), Segment(dense, weight)]
+    joint = (_table(S + 2), _table(S + 2))
+    assert decline_reason(rows, rows, *joint, [_x(2), _x()], upcast=True) is None
+    assert decline_reason([Segment(dense, weight)], [Segment(qkv, weight)], cos, sin, upcast=True) is None
+    assert value_decline_reason(dense, upcast=True) is None and guards.upcast_value(dense)
+
+
+@pytest.mark.parametrize("name", V_CASES)
+@pytest.mark.usefixtures("accept_runtime")
+def test_upcast_value_decline_reason(name: str) -> None:
+    v, expected = V_CASES[name]
+    assert value_decline_reason(v, upcast=True) == expected
+    assert guards.upcast_value(v) is False
+
+
+def test_each_mode_asks_its_own_self_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLUX.2's guards and the upcast mode's ask for different verdicts (one self-check each)."""
+    monkeypatch.setattr(runtime, "_records", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(
+        runtime, "_check", lambda op, device, config: runtime.CheckRecord(config.upcast, str(config), 0)
+    )
+    assert guards._upcast_runtime_reason(_x()) is None
+    assert guards._runtime_reason(_x()) == "self-check failed: head_dim=128 bfloat16"
+    assert sorted(str(key[2]) for key in runtime._records) == [
+        "head_dim=128 bfloat16",
+        "head_dim=128 bfloat16 upcast",
+    ]
+
+
+def test_verify_covers_both_modes() -> None:
+    """`flux2-fused verify` checks FLUX.2's mode and FLUX.3's, in bf16 and fp16."""
+    assert set(OP.verify_configs) == {
+        Config(dtype, upcast) for dtype in (torch.bfloat16, torch.float16) for upcast in (False, True)
+    }
+    assert str(Config(torch.float16, upcast=True)) == "head_dim=128 float16 upcast"
+
+
+@pytest.mark.parametrize("two", [False, True])
+def test_upcast_apply_on_the_cpu_is_the_eager_chain(two: bool) -> None:
+    """bf16 rows with float32 norms (FLUX.3): the entry point runs the upcast reference on the CPU,
+    with the switch on or off."""
+    norms = [torch.nn.RMSNorm(HEAD_DIM, eps=1e-6) for _ in range(2)]
+    for norm in norms:
+        torch.nn.init.normal_(norm.weight)
+    x = torch.randn(B, S, H, HEAD_DIM).to(BF16)
+    cos, sin = torch.rand((2 if two else 1) * S, HEAD_DIM), torch.rand((2 if two else 1) * S, HEAD_DIM)
+    q = [Segment(x, norms[0].weight)] + ([Segment(x.flip(1), norms[1].weight)] if two else [])
+    k = [Segment(x * 2, norms[1].weight)] + ([Segment(x.flip(2), norms[0].weight)] if two else [])
+    assert qk_norm_rope.fused(q, k, cos, sin, 1e-6, upcast=True) is None
+    with torch.no_grad():
+        expected = qk_norm_rope.reference.prologue(q, k, cos, sin, 1e-6, upcast=True)
+        for enabled in (True, False):
+            got = qk_norm_rope.apply(q, k, cos, sin, 1e-6, upcast=True, enabled=enabled)
+            assert got[2] is None and all(
+                torch.equal(a, b) for a, b in zip(got[:2], expected[:2], strict=True)
+            )
+            assert got[0].dtype == BF16
+        if not two:  # the one segment of FLUX.3's blocks: norm(x.float()), fp32 RoPE, one cast
+            chain = qk_norm_rope.reference.rope(norms[0](x.float()), cos, sin).to(BF16)
+            assert torch.equal(expected[0], chain)

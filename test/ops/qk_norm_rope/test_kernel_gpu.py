@@ -1,4 +1,5 @@
-"""GPU tests: the attention-prologue kernel's q, k and v equal eager bit for bit (`pytest -m gpu`)."""
+"""GPU tests: the attention-prologue kernel's q, k and v equal eager bit for bit (`pytest -m gpu`), in
+FLUX.2's mode and in the upcast mode (FLUX.3: norm and RoPE on q.float() with a float32 weight)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,19 @@ import pytest
 import torch
 
 from flux2_fused.ops import bits_equal, random_bits, self_check_records
-from flux2_fused.ops.qk_norm_rope import HEAD_DIM, Segment, decline_reason, guards, qk_norm_rope, reference
-from flux2_fused.ops.qk_norm_rope.selfcheck import rope_tables
+from flux2_fused.ops.qk_norm_rope import (
+    HEAD_DIM,
+    OP,
+    Config,
+    Segment,
+    apply,
+    decline_reason,
+    fused,
+    guards,
+    qk_norm_rope,
+    reference,
+)
+from flux2_fused.ops.qk_norm_rope.selfcheck import float32_bits, rope_tables
 
 pytestmark = pytest.mark.gpu
 
@@ -28,6 +40,11 @@ def _heads(batch: int, tokens: int, heads: int, dtype: torch.dtype, gen: torch.G
 
 def _weight(dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(HEAD_DIM, generator=gen, device="cuda").to(dtype)
+
+
+def _fp32_weight(gen: torch.Generator) -> torch.Tensor:
+    """The upcast mode's weight: float32 of full precision, drawn fresh."""
+    return torch.randn(HEAD_DIM, generator=gen, device="cuda") * 2
 
 
 def _double_block(sizes, heads, batch, dtype, gen):
@@ -128,20 +145,23 @@ def test_eps_reaches_the_norm(gen):
         _assert_equal(qk_norm_rope(q, k, cos, sin, eps, v), reference.prologue(q, k, cos, sin, eps, v))
 
 
-def test_follows_current_stream_and_graph_capture(gen):
+@pytest.mark.parametrize("upcast", [False, True])
+def test_follows_current_stream_and_graph_capture(upcast, gen):
     q, k, v = _double_block((40, 260), 24, 1, torch.bfloat16, gen)
+    if upcast:
+        q, k = ([Segment(s.x, _fp32_weight(gen)) for s in rows] for rows in (q, k))
     cos, sin = rope_tables(300, torch.device("cuda"), gen)
-    assert guards.segment(q[0].x, q[0].weight, cos, sin)  # self-check runs here
-    expected = reference.prologue(q, k, cos, sin, 1e-6, v)
+    assert guards.segment_guard(upcast)(q[0].x, q[0].weight, cos, sin)  # self-check runs here
+    expected = reference.prologue(q, k, cos, sin, 1e-6, v, upcast=upcast)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        out = qk_norm_rope(q, k, cos, sin, v=v)
+        out = qk_norm_rope(q, k, cos, sin, v=v, upcast=upcast)
     torch.cuda.current_stream().wait_stream(side)
     _assert_equal(out, expected)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_out = qk_norm_rope(q, k, cos, sin, v=v)
+        g_out = qk_norm_rope(q, k, cos, sin, v=v, upcast=upcast)
     for t in g_out:
         t.fill_(0)
     graph.replay()
@@ -168,3 +188,169 @@ def test_tensors_on_a_device_other_than_the_current_one():
         out = qk_norm_rope(q, k, cos, sin, v=v)
         assert torch.cuda.current_device() == 0 and all(t.device == other for t in out)
         _assert_equal(out, reference.prologue(q, k, cos, sin, 1e-6, v))
+
+
+# The upcast mode (FLUX.3): `norm(x.float())` with a float32 weight, RoPE in fp32, one rounding.
+
+
+def _assert_upcast(q, k, cos, sin, eps=1e-6, v=None):
+    """The kernel in the upcast mode equals the upcast eager chain; both modes' inputs accepted."""
+    assert decline_reason(q, k, cos, sin, v, upcast=True) is None
+    got = qk_norm_rope(q, k, cos, sin, eps, v, upcast=True)
+    _assert_equal(got, reference.prologue(q, k, cos, sin, eps, v, upcast=True))
+    return got
+
+
+def _extreme_heads(x: torch.Tensor) -> None:
+    """Heads at the dtype's largest and smallest magnitudes: squares that overflow fp32 (bf16), and
+    subnormal 16-bit inputs."""
+    finfo = torch.finfo(x.dtype)
+    x[:, 0, -1] = finfo.max
+    x[:, 0, -1, 1::2] = -finfo.max / 3
+    x[:, -1, 0] = finfo.smallest_normal * torch.arange(HEAD_DIM, device=x.device).to(x.dtype) / 64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 7, 512 + 7, 4096 + 512 + 7])
+@pytest.mark.parametrize("layout", ["projections", "qkv"])
+def test_upcast_flux3_prologue_bit_exact(layout, tokens, batch, dtype, gen):
+    """FLUX.3's one segment of 24 heads: q and k views of their own projections, or chunks of one
+    fused qkv projection; edge heads (scaled, constant, zero, NaN, Inf, extreme); fresh fp32 weights."""
+    heads = 24
+    if layout == "projections":
+        qx, kx = _heads(batch, tokens, heads, dtype, gen), _heads(batch, tokens, heads, dtype, gen)
+    else:
+        qkv = _heads(batch, tokens, 3 * heads, dtype, gen)
+        qx, kx = qkv[:, :, :heads], qkv[:, :, heads : 2 * heads]
+    _extreme_heads(qx)
+    cos, sin = rope_tables(tokens, torch.device("cuda"), gen)
+    q, k = [Segment(qx, _fp32_weight(gen))], [Segment(kx, _fp32_weight(gen))]
+    got = _assert_upcast(q, k, cos, sin)
+    assert got[0].shape == (batch, tokens, heads, HEAD_DIM) and got[2] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [3, 24])
+@pytest.mark.parametrize(("txt", "img"), [(1, 7), (77, 513 + 4096)])
+def test_upcast_two_segments_with_v_bit_exact(txt, img, heads, dtype, gen):
+    """The launch's general layout in the upcast mode: two segments with their own float32 weights,
+    and v's concat."""
+    q, k, v = _double_block((txt, img), heads, 2, dtype, gen)
+    q, k = ([Segment(s.x, _fp32_weight(gen)) for s in rows] for rows in (q, k))
+    cos, sin = rope_tables(txt + img, torch.device("cuda"), gen)
+    _assert_upcast(q, k, cos, sin, v=v)
+    _assert_upcast(q, k, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_upcast_random_bit_patterns(dtype, gen):
+    """Every 16-bit pattern in q, k and v, every float32 pattern in the weights (subnormal, NaN, Inf),
+    finite tables of any exponent; one segment (FLUX.3's) and two."""
+    txt, img, heads = 100, 157, 5
+    tokens = txt + img
+    for _ in range(4):
+        q, k, v = ([random_bits((2, n, heads, HEAD_DIM), dtype, gen) for n in (txt, img)] for _ in range(3))
+        q = [Segment(x, float32_bits((HEAD_DIM,), gen)) for x in q]
+        k = [Segment(x, float32_bits((HEAD_DIM,), gen)) for x in k]
+        exponents = torch.randint(-80, 80, (tokens, HEAD_DIM), generator=gen, device="cuda").float()
+        cos = torch.ldexp(torch.rand(tokens, HEAD_DIM, generator=gen, device="cuda") - 0.5, exponents)
+        sin = torch.ldexp(torch.rand(tokens, HEAD_DIM, generator=gen, device="cuda") - 0.5, exponents.flip(0))
+        _assert_upcast(q, k, cos, sin, v=v)
+        _assert_upcast(q[1:], k[1:], cos[txt:].contiguous(), sin[txt:].contiguous())
+
+
+def test_upcast_subnormal_squares_follow_aten(gen):
+    """As test_subnormal_squares_follow_aten, for aten's float instantiation of the norm kernel (a
+    separately compiled function): squares of bf16 heads of ~1e-21 lie below fp32's normal range."""
+    q, k = (
+        [
+            Segment(
+                (torch.randn(1, 64, 4, HEAD_DIM, generator=gen, device="cuda") * 1e-21).to(torch.bfloat16),
+                _fp32_weight(gen),
+            )
+        ]
+        for _ in range(2)
+    )
+    cos, sin = rope_tables(64, torch.device("cuda"), gen)
+    _assert_upcast(q, k, cos, sin, 1e-45)
+
+
+def test_upcast_eps_reaches_the_norm(gen):
+    q, k, _ = _double_block((3, 6), 2, 1, torch.bfloat16, gen)
+    q = [Segment(s.x * 1e-4, _fp32_weight(gen)) for s in q]
+    k = [Segment(s.x, _fp32_weight(gen)) for s in k]
+    cos, sin = rope_tables(9, torch.device("cuda"), gen)
+    for eps in (1e-6, 1e-2):
+        _assert_upcast(q, k, cos, sin, eps)
+
+
+def test_upcast_differs_from_flux2s_mode(gen):
+    """The modes are different functions (the upcast mode keeps the norm's output in fp32): on the same
+    rows and weight (one representable in bf16), most outputs differ somewhere, and each mode equals
+    its own eager chain."""
+    x = _heads(2, 33, 8, torch.bfloat16, gen)
+    w = _fp32_weight(gen).to(torch.bfloat16)
+    cos, sin = rope_tables(33, torch.device("cuda"), gen)
+    flux2 = qk_norm_rope([Segment(x, w)], [Segment(x, w)], cos, sin)
+    flux3 = qk_norm_rope([Segment(x, w.float())], [Segment(x, w.float())], cos, sin, upcast=True)
+    _assert_equal(flux2, reference.prologue([Segment(x, w)], [Segment(x, w)], cos, sin))
+    _assert_equal(
+        flux3, reference.prologue([Segment(x, w.float())], [Segment(x, w.float())], cos, sin, upcast=True)
+    )
+    assert not bits_equal(flux2[0], flux3[0])
+
+
+def test_upcast_equals_diffusers_flux3_attention(monkeypatch, gen):
+    """diffusers' own Flux3Attention on the GPU (bf16 projections, float32 norms as from_pretrained
+    keeps them): the q and k its processor hands to attention are the kernel's, bit for bit."""
+    flux3 = pytest.importorskip("diffusers.models.transformers.transformer_flux3")
+    heads, tokens = 24, 4096 + 512 + 7
+    attn = flux3.Flux3Attention(query_dim=heads * HEAD_DIM, heads=heads, dim_head=HEAD_DIM)
+    attn = attn.to("cuda", torch.bfloat16)
+    attn.norm_q.float()
+    attn.norm_k.float()
+    with torch.no_grad():
+        attn.norm_q.weight.copy_(_fp32_weight(gen))
+        attn.norm_k.weight.copy_(_fp32_weight(gen))
+    seen = {}
+
+    def attention(query, key, value, **_):
+        seen.update(query=query, key=key)
+        return torch.zeros_like(value)
+
+    monkeypatch.setattr(flux3, "dispatch_attention_fn", attention)
+    ids = torch.randint(0, 512, (tokens, 4), generator=gen, device="cuda")
+    rotary = flux3.Flux3PosEmbed(theta=10000, axes_dim=[32, 32, 32, 32])(ids)
+    h = torch.randn(2, tokens, heads * HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        attn(h, image_rotary_emb=rotary)
+        query, key = (proj(h).unflatten(-1, (heads, -1)) for proj in (attn.to_q, attn.to_k))
+        q, k = [Segment(query, attn.norm_q.weight)], [Segment(key, attn.norm_k.weight)]
+        got = _assert_upcast(q, k, *rotary)
+    assert torch.equal(got[0], seen["query"]) and torch.equal(got[1], seen["key"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_upcast_self_check_verdicts_and_fallback(dtype, gen):
+    """The upcast mode has its own verdict per dtype (the entry point then launches the kernel), and
+    `flux2-fused verify`'s configurations pass; a float32 weight 8 bytes off 16-byte alignment (aten's
+    float kernel would take its other reduction) declines, and `apply` runs the eager chain."""
+    q, k, _ = _double_block((5, 40), 3, 2, dtype, gen)
+    q, k = [Segment(q[1].x, _fp32_weight(gen))], [Segment(k[1].x, _fp32_weight(gen))]
+    cos, sin = rope_tables(40, torch.device("cuda"), gen)
+    assert guards.upcast_segment(q[0].x, q[0].weight, cos, sin)  # the upcast self-check runs here
+    name = str(dtype).removeprefix("torch.")
+    records = {key[:3]: record for key, record in self_check_records().items()}
+    assert records[("qk_norm_rope", "cuda:0", f"head_dim=128 {name} upcast")].passed
+    assert fused(q, k, cos, sin, 1e-6, upcast=True) is not None
+    for config in (Config(dtype), Config(dtype, upcast=True)):
+        passed, detail = OP.self_check(torch.device("cuda"), config)
+        assert passed, detail
+    off = torch.empty(HEAD_DIM + 2, device="cuda")[2:]
+    off.copy_(q[0].weight)
+    shifted = [Segment(q[0].x, off)]
+    assert decline_reason(shifted, k, cos, sin, upcast=True) == "weight data pointer is not 16-byte aligned"
+    assert fused(shifted, k, cos, sin, 1e-6, upcast=True) is None
+    got = apply(shifted, k, cos, sin, 1e-6, upcast=True)
+    _assert_equal(got, reference.prologue(shifted, k, cos, sin, 1e-6, upcast=True))

@@ -56,3 +56,105 @@ def test_prologue_is_q_k_and_the_concat_of_v() -> None:
     assert torch.equal(k, reference.qk_norm_rope(segments[1], cos, sin, 1e-6))
     assert torch.equal(value, torch.cat(v, dim=1))
     assert reference.prologue(*segments, cos, sin, 1e-6)[2] is None
+
+
+# FLUX.3 (`upcast=True`): diffusers 0.42's `Flux3AttnProcessor` on q and k [B, S, H, 128] of a 16-bit
+# model whose q/k norms are kept in float32 (`_keep_in_fp32_modules`).
+
+
+def _flux3_chain(query, key, value, norm_q, norm_k, rotary):
+    """The processor's prologue, transcribed: norm on the upcast rows, fp32 RoPE, one cast."""
+    query = norm_q(query.float())
+    key = norm_k(key.float())
+    query = embeddings.apply_rotary_emb(query, rotary, sequence_dim=1)
+    key = embeddings.apply_rotary_emb(key, rotary, sequence_dim=1)
+    return query.to(value.dtype), key.to(value.dtype)
+
+
+def _fp32_norm() -> torch.nn.RMSNorm:
+    norm = torch.nn.RMSNorm(128, eps=1e-6)  # float32, as from_pretrained keeps it
+    with torch.no_grad():
+        norm.weight.normal_()  # full-precision float32 weights: the norm's products are not rounded
+    return norm
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_upcast_is_flux3_processor_chain(dtype: torch.dtype, chunked: bool) -> None:
+    """q and k as views of separate projections or as chunks of a fused qkv projection."""
+    heads, tokens = 3, 11
+    if chunked:
+        qkv = torch.randn(2, tokens, 3 * heads * 128).to(dtype)
+        query, key, value = (t.unflatten(-1, (heads, -1)) for t in qkv.chunk(3, dim=-1))
+    else:
+        query, key, value = (
+            torch.randn(2, tokens, heads * 128).to(dtype).unflatten(-1, (heads, -1)) for _ in "qkv"
+        )
+    query[0, 0, 0] = 0.0  # a zero head: rsqrt(eps)
+    key[1, 2, 1] = 3.0  # a constant head
+    norm_q, norm_k = _fp32_norm(), _fp32_norm()
+    cos, sin = _tables(tokens, 128)
+    expected = _flux3_chain(query, key, value, norm_q, norm_k, (cos, sin))
+    q, k, v = reference.prologue(
+        [Segment(query, norm_q.weight)], [Segment(key, norm_k.weight)], cos, sin, 1e-6, upcast=True
+    )
+    assert v is None
+    assert q.dtype == k.dtype == dtype
+    assert torch.equal(q, expected[0]) and torch.equal(k, expected[1])
+    # FLUX.2's chain (norm on the 16-bit rows, output rounded) is another function: the mode matters
+    rounded = reference.prologue(
+        [Segment(query, norm_q.weight.to(dtype))], [Segment(key, norm_k.weight.to(dtype))], cos, sin, 1e-6
+    )
+    assert not torch.equal(rounded[0], q)
+
+
+def test_upcast_is_diffusers_flux3_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """diffusers' own module and processor: the q and k it hands to attention are the reference's."""
+    flux3 = pytest.importorskip("diffusers.models.transformers.transformer_flux3")
+    heads, tokens, dim = 2, 9, 48
+    attn = flux3.Flux3Attention(query_dim=dim, heads=heads, dim_head=128).to(torch.bfloat16)
+    attn.norm_q.float()
+    attn.norm_k.float()
+    with torch.no_grad():
+        attn.norm_q.weight.normal_()
+        attn.norm_k.weight.normal_()
+    seen = {}
+
+    def attention(query, key, value, **_):
+        seen.update(query=query, key=key)
+        return torch.zeros_like(value)
+
+    monkeypatch.setattr(flux3, "dispatch_attention_fn", attention)
+    ids = torch.randint(0, 64, (tokens, 4))
+    cos, sin = flux3.Flux3PosEmbed(theta=10000, axes_dim=[32, 32, 32, 32])(ids)
+    h = torch.randn(2, tokens, dim).to(torch.bfloat16)
+    with torch.no_grad():
+        attn(h, image_rotary_emb=(cos, sin))
+        query, key = (proj(h).unflatten(-1, (heads, -1)) for proj in (attn.to_q, attn.to_k))
+        q, k, _ = reference.prologue(
+            [Segment(query, attn.norm_q.weight)],
+            [Segment(key, attn.norm_k.weight)],
+            cos,
+            sin,
+            1e-6,
+            upcast=True,
+        )
+    assert torch.equal(q, seen["query"]) and torch.equal(k, seen["key"])
+
+
+def test_upcast_two_segments_are_normed_then_joined() -> None:
+    """Two segments (the layout one launch also takes): each normalized in fp32 with its weight, joined
+    in fp32, rotated, rounded once; v is concatenated as in FLUX.2's mode."""
+    dim, txt, img = 16, 3, 4
+    x = [torch.randn(2, n, 2, dim).to(torch.bfloat16) for n in (txt, img)]
+    w = [torch.randn(dim) for _ in range(2)]
+    v = [torch.randn(2, n, 2, dim).to(torch.bfloat16) for n in (txt, img)]
+    cos, sin = _tables(txt + img, dim)
+    rows = [Segment(a, b) for a, b in zip(x, w, strict=True)]
+    normed = torch.cat(
+        [torch.nn.functional.rms_norm(a.float(), (dim,), b, 1e-6) for a, b in zip(x, w, strict=True)], 1
+    )
+    expected = embeddings.apply_rotary_emb(normed, (cos, sin), sequence_dim=1).to(torch.bfloat16)
+    q, k, value = reference.prologue(rows, rows, cos, sin, 1e-6, v, upcast=True)
+    assert torch.equal(q, expected) and torch.equal(k, expected)
+    assert torch.equal(value, torch.cat(v, dim=1))

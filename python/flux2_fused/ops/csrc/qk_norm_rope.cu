@@ -1,7 +1,9 @@
 // tvm-ffi entry point of the attention-prologue kernel: thin shape/dtype plumbing over qk_norm_rope.cuh.
 // The Python layer (flux2_fused/ops/qk_norm_rope/) validates every input and decides when the kernel
 // may run; the checks here only stop a misuse from touching the wrong memory. A single-segment call
-// passes None for the second segment, a call without v (the single block's) None for v.
+// passes None for the second segment, a call without v (the single block's) None for v; `upcast`
+// picks FLUX.3's mode (float32 weights, the norm's output kept in fp32) over FLUX.2's (weights of x's
+// dtype), one instantiation of the kernel each.
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/extra/cuda/device_guard.h>
@@ -20,21 +22,27 @@ namespace {
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
+bool same_dtype(DLDataType a, DLDataType b) { return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes; }
+
 template <typename T>
-Rows<T> make_rows(const TensorView& x, int64_t batch, int64_t heads, DLDevice dev) {
+Rows<T> make_rows(const TensorView& x, int64_t batch, int64_t heads, DLDevice dev, DLDataType dtype) {
   TVM_FFI_ICHECK(x.ndim() == 4 && x.size(0) == batch && x.size(2) == heads && x.size(3) == kHeadDim &&
                  x.stride(3) == 1 && (heads == 1 || x.stride(2) == kHeadDim))
       << "inputs must be [B, S, H, 128] with dense heads";
+  TVM_FFI_ICHECK(same_dtype(x.dtype(), dtype)) << "inputs must have the outputs' dtype";
   check_device(x, dev);
   return Rows<T>{data<const T>(x), batch == 1 ? 0 : x.stride(0), x.stride(1)};
 }
 
-template <typename T>
-const T* weight_data(const TensorView& weight, DLDevice dev) {
+// A [128] weight of W: the outputs' dtype, or float32 in the upcast mode (read 32 bytes a lane).
+template <typename W>
+const W* weight_data(const TensorView& weight, DLDevice dev, DLDataType dtype) {
   TVM_FFI_ICHECK(weight.ndim() == 1 && weight.size(0) == kHeadDim && weight.stride(0) == 1)
       << "weights must be dense [128] vectors";
+  TVM_FFI_ICHECK(same_dtype(weight.dtype(), dtype))
+      << "weights must be float32 in the upcast mode, of the outputs' dtype otherwise";
   check_device(weight, dev);
-  return data<const T>(weight);
+  return data<const W>(weight);
 }
 
 // An output: contiguous [B, S, H, 128] on the launch's device (the kernel writes it densely).
@@ -48,7 +56,7 @@ void check_out(const TensorView& out, const TensorView& like, DLDevice dev) {
   check_device(out, dev);
 }
 
-template <typename T>
+template <typename T, bool kUpcast>
 void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorView q0, TensorView k0,
          Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
          Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1, Optional<TensorView> wk1,
@@ -63,21 +71,24 @@ void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorV
       << "a second segment needs q, k and both weights";
   TVM_FFI_ICHECK(v0.has_value() == v_out.has_value() && (!v0.has_value() || v1.has_value() == two))
       << "v needs its output and one input a segment";
-  Params<T> p{};
-  p.in[0][0] = make_rows<T>(q0, batch, heads, dev);
-  p.in[1][0] = make_rows<T>(k0, batch, heads, dev);
-  p.in[kV][0] = v0.has_value() ? make_rows<T>(*v0, batch, heads, dev) : p.in[0][0];
-  p.weight[0][0] = weight_data<T>(wq0, dev);
-  p.weight[1][0] = weight_data<T>(wk0, dev);
+  using W = Weight<T, kUpcast>;
+  const DLDataType dtype = q_out.dtype();
+  const DLDataType wtype = kUpcast ? DLDataType{kDLFloat, 32, 1} : dtype;
+  Params<T, kUpcast> p{};
+  p.in[0][0] = make_rows<T>(q0, batch, heads, dev, dtype);
+  p.in[1][0] = make_rows<T>(k0, batch, heads, dev, dtype);
+  p.in[kV][0] = v0.has_value() ? make_rows<T>(*v0, batch, heads, dev, dtype) : p.in[0][0];
+  p.weight[0][0] = weight_data<W>(wq0, dev, wtype);
+  p.weight[1][0] = weight_data<W>(wk0, dev, wtype);
   p.split = two ? q0.size(1) : tokens;
   TVM_FFI_ICHECK(k0.size(1) == p.split && (!v0.has_value() || (*v0).size(1) == p.split))
       << "q, k and v segments must have equal rows";
   if (two) {
-    p.in[0][1] = make_rows<T>(*q1, batch, heads, dev);
-    p.in[1][1] = make_rows<T>(*k1, batch, heads, dev);
-    p.in[kV][1] = v1.has_value() ? make_rows<T>(*v1, batch, heads, dev) : p.in[0][1];
-    p.weight[0][1] = weight_data<T>(*wq1, dev);
-    p.weight[1][1] = weight_data<T>(*wk1, dev);
+    p.in[0][1] = make_rows<T>(*q1, batch, heads, dev, dtype);
+    p.in[1][1] = make_rows<T>(*k1, batch, heads, dev, dtype);
+    p.in[kV][1] = v1.has_value() ? make_rows<T>(*v1, batch, heads, dev, dtype) : p.in[0][1];
+    p.weight[0][1] = weight_data<W>(*wq1, dev, wtype);
+    p.weight[1][1] = weight_data<W>(*wk1, dev, wtype);
     TVM_FFI_ICHECK(p.split + (*q1).size(1) == tokens && (*k1).size(1) == (*q1).size(1) &&
                    (!v1.has_value() || (*v1).size(1) == (*q1).size(1)))
         << "segment rows must sum to S, equal for q, k and v";
@@ -107,22 +118,34 @@ void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorV
   TVM_FFI_ICHECK(blocks < (int64_t{1} << 31)) << "too many tokens for one launch";
   tvm::ffi::CUDADeviceGuard device_guard(dev.device_id);
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
-  qk_norm_rope_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  qk_norm_rope_kernel<T, kUpcast><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
   const cudaError_t err = cudaGetLastError();
   TVM_FFI_ICHECK(err == cudaSuccess) << "qk_norm_rope launch failed: " << cudaGetErrorString(err);
 }
 
+template <typename T>
+void run_mode(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorView q0, TensorView k0,
+              Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
+              Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1,
+              Optional<TensorView> wk1, TensorView cos, TensorView sin, double eps, bool upcast) {
+  if (upcast) {
+    run<T, true>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
+  } else {
+    run<T, false>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
+  }
+}
+
 // Outputs first (v's absent in a single block), then segment 0's q, k, v and weights, segment 1's
-// (absent with one segment), the tables and eps.
+// (absent with one segment), the tables, eps and the mode.
 void qk_norm_rope(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorView q0, TensorView k0,
                   Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
                   Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1,
-                  Optional<TensorView> wk1, TensorView cos, TensorView sin, double eps) {
+                  Optional<TensorView> wk1, TensorView cos, TensorView sin, double eps, bool upcast) {
   const DLDataType dt = q_out.dtype();
   if (dt.code == kDLBfloat && dt.bits == 16) {
-    run<__nv_bfloat16>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
+    run_mode<__nv_bfloat16>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps, upcast);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
-    run<__half>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
+    run_mode<__half>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps, upcast);
   } else {
     TVM_FFI_THROW(TypeError) << "qk_norm_rope supports bfloat16 and float16 only";
   }

@@ -11,6 +11,11 @@
 // is built without --use_fast_math (IEEE division, rsqrtf as aten calls it, no flush-to-zero). v's rows
 // are copied unchanged (torch.cat moves bits).
 //
+// The upcast mode (kUpcast: FLUX.3's `norm(x.float())` with an fp32 weight, RoPE on the fp32 result,
+// one `.to(T)`) differs in two places only: g is float, and y_j = RN(g_j * RN(r * x_j)) stays in fp32,
+// so T is rounded once, at out. s and r are the same: aten's float instantiation of the norm kernel
+// has the same lanes, vector width (4), sum, division and rsqrtf, and x widened to fp32 is exact.
+//
 // One block of 64 threads handles one token: q's, k's (and v's) head rows of that token, with the
 // token's cos/sin row loaded once into registers for q and k together. A head row is 256 bytes, so
 // half a warp covers it with one 16-byte load a lane: lane m of a half owns elements 8m..8m+7, i.e.
@@ -23,6 +28,8 @@
 // output is a contiguous [B, S, H, 128] tensor; its rows come from up to two input segments (text,
 // then image rows of a double block), each with its own strides and (q, k) RMSNorm weight.
 #pragma once
+
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -56,10 +63,15 @@ struct Rows {
   int64_t row_stride;
 };
 
-template <typename T>
+// The RMSNorm weight's type: T (FLUX.2: the norm computed on T rows, its output rounded to T) or, in
+// the upcast mode (FLUX.3), float (the norm on the rows widened to fp32, its output kept in fp32).
+template <typename T, bool kUpcast>
+using Weight = std::conditional_t<kUpcast, float, T>;
+
+template <typename T, bool kUpcast>
 struct Params {
   Rows<T> in[kTensors][2];   // [q, k, v][text, image]; one segment: [t][1] repeats [t][0]
-  const T* weight[2][2];     // [q, k][segment]: [128] each
+  const Weight<T, kUpcast>* weight[2][2];  // [q, k][segment]: [128] each
   T* out[kTensors];          // [B, S, H, 128] each, contiguous; out[kV] unused when tensors == 2
   const float* cos;          // [S, 128], contiguous
   const float* sin;
@@ -86,13 +98,13 @@ __device__ __forceinline__ const T* row_of(const Rows<T> (&in)[2], bool second, 
   return x + b * batch_stride + seg_row * row_stride;
 }
 
-template <typename T>
-__device__ __forceinline__ uint4 load_weight(const T* w) {
-  return __ldg(reinterpret_cast<const uint4*>(w));
+// Word i (0..3, a constant once unrolled) of a 16-byte vector.
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(const Params<T> p) {
+template <typename T, bool kUpcast>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(const Params<T, kUpcast> p) {
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x & 15;            // lane within the half-warp: elements 8 lane .. + 7
   const int odd = (threadIdx.x >> 4) & 1;       // which half of its warp: head 2i + odd of a pair
@@ -113,8 +125,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
   const float4 ca = __ldg(cos4), cb = __ldg(cos4 + 1), sa = __ldg(sin4), sb = __ldg(sin4 + 1);
   const float c[8] = {ca.x, ca.y, ca.z, ca.w, cb.x, cb.y, cb.z, cb.w};
   const float sn[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
-  const uint4 gq = load_weight((second ? p.weight[0][1] : p.weight[0][0]) + 8 * lane);
-  const uint4 gk = load_weight((second ? p.weight[1][1] : p.weight[1][0]) + 8 * lane);
+  // A lane's eight weights are one 16-byte vector of T, or two of floats in the upcast mode.
+  constexpr int kWeightVecs = sizeof(Weight<T, kUpcast>) * 8 / sizeof(uint4);
+  const uint4* wq = reinterpret_cast<const uint4*>((second ? p.weight[0][1] : p.weight[0][0]) + 8 * lane);
+  const uint4* wk = reinterpret_cast<const uint4*>((second ? p.weight[1][1] : p.weight[1][0]) + 8 * lane);
+  uint4 gq[kWeightVecs], gk[kWeightVecs];
+#pragma unroll
+  for (int i = 0; i < kWeightVecs; ++i) {
+    gq[i] = __ldg(wq + i);
+    gk[i] = __ldg(wk + i);
+  }
 
   // Unit u: tensor t = u / pairs, heads 2 (u - t pairs) + {0, 1}. With H odd the odd half of a
   // tensor's last pair is one head past the end: it runs the shuffles on zeros and stores nothing.
@@ -164,20 +184,29 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
       // aten divides by 128; a product with 2^-7 is the same exact value, so it rounds alike
       // (subnormal results included), in one instruction instead of a division's sequence.
       const float rstd = rsqrtf(__fadd_rn(__fmul_rn(sum, 1.0f / kHeadDim), p.eps));
-      // RMSNorm output rounded to T, then RoPE on the rounded values.
       // q's or k's weight, word by word (selecting a whole struct would put it on the stack).
       const bool is_q = t == 0;
-      const uint4 graw =
-          make_uint4(is_q ? gq.x : gk.x, is_q ? gq.y : gk.y, is_q ? gq.z : gk.z, is_q ? gq.w : gk.w);
-      const Oct<T> gv = *reinterpret_cast<const Oct<T>*>(&graw);
-      // Rounded to T two at a time (one packed conversion), then read back as floats.
       float y[8];
+      if constexpr (kUpcast) {
+        // The fp32 RMSNorm output, not rounded: eager's RoPE reads it as it is.
 #pragma unroll
-      for (int i = 0; i < 8; i += 2) {
-        const auto pair = Elem<T>::pack(__fmul_rn(gv.get(i), __fmul_rn(rstd, x[i])),
-                                        __fmul_rn(gv.get(i + 1), __fmul_rn(rstd, x[i + 1])));
-        y[i] = Elem<T>::lo(pair);
-        y[i + 1] = Elem<T>::hi(pair);
+        for (int i = 0; i < 8; ++i) {
+          const float g = __uint_as_float(is_q ? word(gq[i / 4], i % 4) : word(gk[i / 4], i % 4));
+          y[i] = __fmul_rn(g, __fmul_rn(rstd, x[i]));
+        }
+      } else {
+        // RMSNorm output rounded to T, then RoPE on the rounded values.
+        const uint4 graw = make_uint4(is_q ? gq[0].x : gk[0].x, is_q ? gq[0].y : gk[0].y,
+                                      is_q ? gq[0].z : gk[0].z, is_q ? gq[0].w : gk[0].w);
+        const Oct<T> gv = *reinterpret_cast<const Oct<T>*>(&graw);
+        // Rounded to T two at a time (one packed conversion), then read back as floats.
+#pragma unroll
+        for (int i = 0; i < 8; i += 2) {
+          const auto pair = Elem<T>::pack(__fmul_rn(gv.get(i), __fmul_rn(rstd, x[i])),
+                                          __fmul_rn(gv.get(i + 1), __fmul_rn(rstd, x[i + 1])));
+          y[i] = Elem<T>::lo(pair);
+          y[i + 1] = Elem<T>::hi(pair);
+        }
       }
       Oct<T> result;
 #pragma unroll

@@ -6,9 +6,11 @@ exact, else from the eager chain of `reference`, bit for bit the same; under a t
 the `library` operator, which decides when the graph runs. `q` and `k` are one segment
 each (a single block's joint rows) or two (a double block's text then image rows, each with its own
 RMSNorm weight); `v`, a double block's text and image v, is concatenated in the same launch, so the
-eager `cat`s disappear, and the token's RoPE tables are read once for q and k. `fused` is the same
-decision without the fallback; `qk_norm_rope` is the validated op that raises for inputs the kernel
-cannot take.
+eager `cat`s disappear, and the token's RoPE tables are read once for q and k. `upcast=True` is
+FLUX.3's prologue: `norm(q.float())` with a float32 RMSNorm weight, RoPE on the fp32 result and one
+rounding to q's dtype at the end (diffusers' `Flux3AttnProcessor`), in the same launch. `fused` is the
+same decision without the fallback; `qk_norm_rope` is the validated op that raises for inputs the
+kernel cannot take.
 """
 
 from __future__ import annotations
@@ -60,13 +62,15 @@ def decline_reason(
     cos: torch.Tensor,
     sin: torch.Tensor,
     v: Sequence[torch.Tensor] | None = None,
+    *,
+    upcast: bool = False,
 ) -> str | None:
-    """Why `fused(q, k, cos, sin, eps, v)` declines, or None when it launches the kernel."""
+    """Why `fused(q, k, cos, sin, eps, v, upcast=upcast)` declines, or None when it launches the kernel."""
     reason = None
     for segment in (*q, *k):
-        reason = reason or segment_decline_reason(segment.x, segment.weight, cos, sin)
+        reason = reason or segment_decline_reason(segment.x, segment.weight, cos, sin, upcast=upcast)
     for x in v or ():
-        reason = reason or value_decline_reason(x)
+        reason = reason or value_decline_reason(x, upcast=upcast)
     return reason or _layout_reason(q, k, cos, v)
 
 
@@ -77,21 +81,24 @@ def fused(
     sin: torch.Tensor,
     eps: float,
     v: Sequence[torch.Tensor] | None = None,
+    *,
+    upcast: bool = False,
 ) -> Prologue | None:
     """(q, k, v) from one kernel launch, or None where the guards decline."""
     if not _is_number(eps):  # eps=None means aten's own default, not ours to guess
         return None
     try:
+        segment_guard, value_guard = guards.segment_guard(upcast), guards.value_guard(upcast)
         for segment in (*q, *k):
-            if not guards.segment(segment.x, segment.weight, cos, sin):
+            if not segment_guard(segment.x, segment.weight, cos, sin):
                 return None
-        if v is not None and not all(guards.value(x) for x in v):
+        if v is not None and not all(value_guard(x) for x in v):
             return None
         if _layout_reason(q, k, cos, v) is not None:
             return None
     except Exception:  # not segments of tensors: declined, as the guards decline garbage
         return None
-    return launch(q, k, cos, sin, eps, v)
+    return launch(q, k, cos, sin, eps, v, upcast=bool(upcast))
 
 
 def apply(
@@ -102,11 +109,13 @@ def apply(
     eps: float,
     v: Sequence[torch.Tensor] | None = None,
     *,
+    upcast: bool = False,
     enabled: bool = True,
 ) -> Prologue:
     """The site's one decision: under a torch.compile trace the `library` operator, else `fused`
-    where it accepts, else the eager chain (`reference.prologue`): the same bits. `enabled=False` (a
-    model's switch) always runs the eager chain."""
+    where it accepts, else the eager chain (`reference.prologue`): the same bits. `upcast=True` is
+    FLUX.3's prologue (norm and RoPE on the rows widened to fp32, a float32 weight, one rounding).
+    `enabled=False` (a model's switch) always runs the eager chain."""
     # eps=None (aten's own default) is not an operator argument: the trace keeps the eager chain.
     if enabled and torch.compiler.is_compiling() and _is_number(eps):
         from . import library
@@ -120,10 +129,11 @@ def apply(
             cos,
             sin,
             eps,
+            bool(upcast),
         )
         return out[0], out[1], out[2] if v else None
-    out = fused(q, k, cos, sin, eps, v) if enabled else None
-    return out if out is not None else reference.prologue(q, k, cos, sin, eps, v)
+    out = fused(q, k, cos, sin, eps, v, upcast=upcast) if enabled else None
+    return out if out is not None else reference.prologue(q, k, cos, sin, eps, v, upcast=upcast)
 
 
 def qk_norm_rope(
@@ -133,21 +143,23 @@ def qk_norm_rope(
     sin: torch.Tensor,
     eps: float = 1e-6,
     v: Sequence[torch.Tensor] | None = None,
+    *,
+    upcast: bool = False,
 ) -> Prologue:
     """The kernel, without the self-check: (q, k, v), each joint [B, sum S, H, 128], v None when not
-    given.
+    given; `upcast=True` in FLUX.3's mode (a float32 weight, norm and RoPE in fp32).
 
     Unsupported inputs raise TypeError (types, dtypes, devices) or ValueError (shapes, strides,
     alignment) naming the problem.
     """
     for segment in (*q, *k):
-        guards.segment.validate(segment.x, segment.weight, cos, sin)
+        guards.segment_guard(upcast).validate(segment.x, segment.weight, cos, sin)
     for x in v or ():
-        guards.value.validate(x)
+        guards.value_guard(upcast).validate(x)
     reason = _layout_reason(q, k, cos, v)
     if reason is not None:
         raise ValueError(f"flux2-fused: {reason}")
-    return launch(q, k, cos, sin, eps, v)
+    return launch(q, k, cos, sin, eps, v, upcast=bool(upcast))
 
 
 __all__ = [

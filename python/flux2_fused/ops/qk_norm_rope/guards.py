@@ -5,8 +5,11 @@ batch stride that keeps 16-byte alignment: the single block's q and k are chunks
 projection), with a [128] RMSNorm weight of x's dtype and fp32 [S_total, 128] RoPE tables, and for v
 segments of the same layout (copied only); one 16-bit float dtype on one CUDA device, 16-byte-aligned
 data (the kernel moves 16 bytes a lane; aten's vectorized RMSNorm needs 8) and no autograd.
-Everything else declines to the eager chain. `segment` guards one q or k segment, `value` one v
-segment; what one launch needs across them is `_layout_reason` in the package's `__init__`.
+In the upcast mode (FLUX.3: `norm(x.float())`, RoPE in fp32, one rounding) the weight is float32
+instead, as aten's fused RMSNorm needs for fp32 rows (any other dtype runs its composite chain), and
+16-byte aligned, as its float kernel needs. Everything else declines to the eager chain. `segment`
+guards one q or k segment (`upcast_segment` in the upcast mode), `value` one v segment; what one
+launch needs across them is `_layout_reason` in the package's `__init__`.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ def _table_reason(name: str, t: Any) -> Reason:
     return None
 
 
-def _metadata_reason(x: Any, weight: Any, cos: Any, sin: Any) -> Reason:
-    """Everything the tensors' shapes, strides, dtypes and devices decide for one segment."""
+def _metadata_reason(x: Any, weight: Any, cos: Any, sin: Any, upcast: bool = False) -> Reason:
+    """Everything the tensors' shapes, strides, dtypes and devices decide for one segment; `upcast`:
+    FLUX.3's mode, whose norm runs on x.float() with a float32 weight."""
     reason = _x_reason(x) or _table_reason("cos", cos) or _table_reason("sin", sin)
     if reason is not None:
         return reason
@@ -62,7 +66,12 @@ def _metadata_reason(x: Any, weight: Any, cos: Any, sin: Any) -> Reason:
         return TypeReason("weight is not a tensor")
     if weight.shape != (HEAD_DIM,) or weight.stride(0) != 1:
         return f"weight must be a dense [{HEAD_DIM}] vector, got {tuple(weight.shape)}"
-    if weight.dtype != x.dtype:
+    if upcast and weight.dtype != torch.float32:
+        # fp32 rows with a weight of another dtype run rms_norm's composite chain, not the fused kernel
+        return TypeReason(
+            f"weight is {weight.dtype}, the upcast rows are torch.float32 (eager would promote)"
+        )
+    if not upcast and weight.dtype != x.dtype:
         return TypeReason(f"weight is {weight.dtype}, x is {x.dtype} (eager would promote)")
     for name, t in (("weight", weight), ("cos", cos), ("sin", sin)):
         if t.device != x.device:
@@ -73,21 +82,46 @@ def _metadata_reason(x: Any, weight: Any, cos: Any, sin: Any) -> Reason:
 
 
 def _runtime_reason(x: torch.Tensor, *_: Any) -> Reason:
-    """Kill switch, kernel build and the self-check for this (device, dtype)."""
+    """Kill switch, kernel build and the self-check for this (device, dtype), FLUX.2's mode."""
     return runtime.runtime_reason(OP, x.device, Config(x.dtype))
 
 
+def _upcast_runtime_reason(x: torch.Tensor, *_: Any) -> Reason:
+    """Kill switch, kernel build and the self-check for this (device, dtype), the upcast mode."""
+    return runtime.runtime_reason(OP, x.device, Config(x.dtype, upcast=True))
+
+
+# align=16: the kernel's loads are 16 bytes; aten's vectorized RMSNorm needs 8 (16-bit rows and
+# weight) or 16 (the upcast mode's float32 weight), else it runs another reduction.
 segment = Guard(
     ("x", "weight", "cos", "sin"), lambda *args: _metadata_reason(*args), _runtime_reason, align=16
 )
+upcast_segment = Guard(
+    ("x", "weight", "cos", "sin"),
+    lambda *args: _metadata_reason(*args, upcast=True),
+    _upcast_runtime_reason,
+    align=16,
+)
 value = Guard(("v",), lambda v: _x_reason(v, "v"), _runtime_reason, align=16)
+upcast_value = Guard(("v",), lambda v: _x_reason(v, "v"), _upcast_runtime_reason, align=16)
 
 
-def segment_decline_reason(x: Any, weight: Any, cos: Any, sin: Any) -> Reason:
-    """Why the kernel declines this q or k segment, or None when it accepts it."""
-    return segment.reason(x, weight, cos, sin)
+def segment_guard(upcast: bool = False) -> Guard:
+    """The guard of one q or k segment in this mode."""
+    return upcast_segment if upcast else segment
 
 
-def value_decline_reason(v: Any) -> Reason:
+def value_guard(upcast: bool = False) -> Guard:
+    """The guard of one v segment in this mode (the same checks; the self-check of the mode)."""
+    return upcast_value if upcast else value
+
+
+def segment_decline_reason(x: Any, weight: Any, cos: Any, sin: Any, *, upcast: bool = False) -> Reason:
+    """Why the kernel declines this q or k segment, or None when it accepts it; `upcast`: in FLUX.3's
+    mode (float32 weight, norm and RoPE in fp32)."""
+    return segment_guard(upcast).reason(x, weight, cos, sin)
+
+
+def value_decline_reason(v: Any, *, upcast: bool = False) -> Reason:
     """Why the kernel declines this v segment, or None when it accepts it."""
-    return value.reason(v)
+    return value_guard(upcast).reason(v)

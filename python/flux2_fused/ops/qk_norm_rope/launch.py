@@ -22,10 +22,13 @@ def launch(
     sin: torch.Tensor,
     eps: float,
     v: Sequence[torch.Tensor] | None = None,
+    *,
+    upcast: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q, k, v) from one launch over one or two segments: each a joint [B, sum S, H, head_dim],
     contiguous (the layout eager's RoPE and concat return, so attention sees the same strides);
-    v None when not given."""
+    v None when not given. `upcast`: FLUX.3's mode (float32 weights, the norm's output kept in fp32,
+    one rounding at the end), else FLUX.2's."""
     first = q[0].x
     shape = (first.shape[0], sum(segment.x.shape[1] for segment in q), *first.shape[2:])
     q_out, k_out = first.new_empty(shape), first.new_empty(shape)
@@ -36,5 +39,6 @@ def launch(
             inputs += [q[i].x, k[i].x, None if v is None else v[i], q[i].weight, k[i].weight]
         else:
             inputs += [None] * 5
-    jit.module_for(SPEC, first.device).qk_norm_rope(q_out, k_out, v_out, *inputs, cos, sin, float(eps))
+    module = jit.module_for(SPEC, first.device)
+    module.qk_norm_rope(q_out, k_out, v_out, *inputs, cos, sin, float(eps), bool(upcast))
     return q_out, k_out, v_out

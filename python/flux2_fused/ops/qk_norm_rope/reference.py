@@ -1,12 +1,16 @@
 """The eager attention prologue the kernel replaces: RMSNorm of each head of q and k, then RoPE, op
-for op as diffusers' FLUX.2 attention processors write it, and a double block's concat of v.
+for op as diffusers' FLUX.2 attention processors write it, and a double block's concat of v; with
+`upcast=True`, as diffusers' `Flux3AttnProcessor` writes it (FLUX.3).
 
 A double block normalizes text and image rows with their own weights (`norm_added_q` / `norm_q`),
 concatenates them text first, and rotates the joint rows; v's text and image rows are concatenated
 alike. A single block normalizes and rotates its joint rows at once, and attention reads its v as it
 is. RoPE is elementwise per (token, channel), so the rotation of a concat is the concat of the
-rotations: the kernel writes both segments' rows straight into the joint buffers. docs/numerics.md
-gives the arithmetic.
+rotations: the kernel writes both segments' rows straight into the joint buffers.
+
+FLUX.3 upcasts: `norm_q(query.float())` (an `nn.RMSNorm` whose weight stays float32), RoPE on that
+fp32 result (`x.float()` and `.to(x.dtype)` are then no-ops), and one `.to(dtype)` at the end, so the
+norm's output is never rounded to the 16-bit dtype. docs/numerics.md gives the arithmetic.
 """
 
 from __future__ import annotations
@@ -42,13 +46,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def qk_norm_rope(
-    rows: Sequence[Segment], cos: torch.Tensor, sin: torch.Tensor, eps: float = 1e-6
+    rows: Sequence[Segment], cos: torch.Tensor, sin: torch.Tensor, eps: float = 1e-6, *, upcast: bool = False
 ) -> torch.Tensor:
     """The joint rotated rows [B, sum S, H, hd]: each segment normalized with its weight,
-    concatenated along tokens in order, then rotated."""
-    normed = [rms_norm(segment.x, segment.weight, eps) for segment in rows]
+    concatenated along tokens in order, then rotated. `upcast`: each segment widened to fp32 before
+    its norm, norm and RoPE in fp32, the result rounded once to the rows' dtype (FLUX.3)."""
+    normed = [rms_norm(segment.x.float() if upcast else segment.x, segment.weight, eps) for segment in rows]
     joint = normed[0] if len(normed) == 1 else torch.cat(normed, dim=1)
-    return rope(joint, cos, sin)
+    out = rope(joint, cos, sin)
+    return out.to(rows[0].x.dtype) if upcast else out
 
 
 def prologue(
@@ -58,8 +64,11 @@ def prologue(
     sin: torch.Tensor,
     eps: float = 1e-6,
     v: Sequence[torch.Tensor] | None = None,
+    *,
+    upcast: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q, k, v) for attention: q's and k's joint rotated rows, and v's segments concatenated along
-    tokens (None when v is not given: the single block's v needs no copy)."""
+    tokens (None when v is not given: the single block's v needs no copy). `upcast`: FLUX.3's
+    prologue (see `qk_norm_rope`)."""
     value = None if v is None else torch.cat(list(v), dim=1)
-    return qk_norm_rope(q, cos, sin, eps), qk_norm_rope(k, cos, sin, eps), value
+    return qk_norm_rope(q, cos, sin, eps, upcast=upcast), qk_norm_rope(k, cos, sin, eps, upcast=upcast), value

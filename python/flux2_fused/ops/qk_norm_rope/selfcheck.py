@@ -1,9 +1,12 @@
-"""The live self-check: the kernel against eager on this device, once per dtype and process.
+"""The live self-check: the kernel against eager on this device, once per dtype, mode and process.
 
 It feeds both FLUX.2 layouts (a double block's q, k and v in two segments, q and k with their own
 weights, dense [B, S, H*128] projections; a single block's q and k chunks of one wide projection, no
 v), rows that break naive kernels (constant, all zero, huge, tiny, NaN, +-Inf), real RoPE tables, and
-rows of random bit patterns in q, k, v, the weights and finite fp32 tables.
+rows of random bit patterns in q, k, v, the weights and finite fp32 tables. The upcast mode (FLUX.3)
+gets the same layouts and rows with float32 weights of full fp32 precision (random bit patterns:
+any float32, subnormals, NaN and Inf included), and adds FLUX.3's own: one segment of q and k from
+separate projections, no v.
 """
 
 from __future__ import annotations
@@ -24,12 +27,21 @@ HEAD_DIM = 128  # FLUX.2's head size; the kernel reproduces aten's reduction for
 
 @dataclass(frozen=True)
 class Config:
-    """What one self-check verdict covers, with the device and the torch version."""
+    """What one self-check verdict covers, with the device and the torch version: the rows' dtype,
+    and the mode (`upcast`: FLUX.3's float32 norm and RoPE with a float32 weight)."""
 
     dtype: torch.dtype
+    upcast: bool = False
 
     def __str__(self) -> str:
-        return f"head_dim={HEAD_DIM} {str(self.dtype).removeprefix('torch.')}"
+        mode = " upcast" if self.upcast else ""
+        return f"head_dim={HEAD_DIM} {str(self.dtype).removeprefix('torch.')}{mode}"
+
+
+def float32_bits(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A float32 tensor with every bit pattern equally likely: subnormals, NaN and Inf included."""
+    raw = torch.randint(-(2**31), 2**31, shape, generator=gen, device=gen.device, dtype=torch.int64)
+    return raw.to(torch.int32).view(torch.float32)
 
 
 def rope_tables(tokens: int, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +67,9 @@ def _edge_rows(x: torch.Tensor, big: float, small: float) -> None:
 
 
 def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
-    """Compare the kernel with live eager for one dtype: (passed, what was compared)."""
-    dtype = config.dtype
+    """Compare the kernel with live eager for one dtype and mode: (passed, what was compared)."""
+    dtype, upcast = config.dtype, config.upcast
+    weight_dtype = torch.float32 if upcast else dtype
     gen = torch.Generator(device=device)
     gen.manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
     big, small = (3e2, 1e-3) if dtype == torch.float16 else (1e18, 1e-18)
@@ -71,8 +84,11 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     def projection(rows: int) -> torch.Tensor:
         return randn(batch, rows, heads * HEAD_DIM).unflatten(-1, (heads, HEAD_DIM))
 
+    def weight() -> torch.Tensor:  # upcast: float32 of full precision, so the unrounded products show
+        return torch.randn(HEAD_DIM, generator=gen, device=device).to(weight_dtype)
+
     def weights() -> tuple[torch.Tensor, torch.Tensor]:
-        return randn(HEAD_DIM), randn(HEAD_DIM)
+        return weight(), weight()
 
     q_txt, k_txt, v_txt, q_img, k_img, v_img = (projection(n) for n in (txt, txt, txt, img, img, img))
     for x in (q_img, k_txt, v_img):
@@ -83,7 +99,10 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     _edge_rows(q_joint, big, small)
     _edge_rows(k_joint[:, 7:], big, small)
     noise = [random_bits((batch, tokens, heads, HEAD_DIM), dtype, gen) for _ in range(3)]
-    noise_weights = [random_bits((HEAD_DIM,), dtype, gen) for _ in range(2)]
+    if upcast:
+        noise_weights = [float32_bits((HEAD_DIM,), gen) for _ in range(2)]
+    else:
+        noise_weights = [random_bits((HEAD_DIM,), dtype, gen) for _ in range(2)]
     finite = torch.rand(tokens, HEAD_DIM, generator=gen, device=device) * 2 - 1
     exponents = torch.randint(-60, 60, (tokens, HEAD_DIM), generator=gen, device=device)
     noisy_table = torch.ldexp(finite, exponents.float()).float()
@@ -110,18 +129,33 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
             [noise[2]],
         ),
     }
+    if upcast:  # FLUX.3: one segment of the joint rows, q and k from their own projections, no v
+        q_one, k_one = projection(tokens), projection(tokens)
+        _edge_rows(q_one, big, small)
+        _edge_rows(k_one[:, 9:], big, small)
+        cases["FLUX.3: one segment of q and k, no v"] = (
+            [Segment(q_one, wq_txt)],
+            [Segment(k_one, wk_txt)],
+            cos,
+            sin,
+            None,
+        )
     for name, (q, k, c, s, v) in cases.items():
-        got, expected = launch(q, k, c, s, 1e-6, v), reference.prologue(q, k, c, s, 1e-6, v)
+        got = launch(q, k, c, s, 1e-6, v, upcast=upcast)
+        expected = reference.prologue(q, k, c, s, 1e-6, v, upcast=upcast)
         if not all(a is b or bits_equal(a, b) for a, b in zip(got, expected, strict=True)):
             return False, f"{name}: differs from eager"
     torch.cuda.synchronize(device)
     shape = f"[{batch}, {tokens}, {heads}, {HEAD_DIM}]"
-    return True, f"{len(cases)} cases x {shape} {dtype}, edge rows + random bits"
+    mode = ", upcast (float32 weights)" if upcast else ""
+    return True, f"{len(cases)} cases x {shape} {dtype}{mode}, edge rows + random bits"
 
 
 OP = FusedOp(
     name="qk_norm_rope",
     spec=SPEC,
     self_check=self_check,
-    verify_configs=(Config(torch.bfloat16), Config(torch.float16)),
+    verify_configs=tuple(
+        Config(dtype, upcast) for upcast in (False, True) for dtype in (torch.bfloat16, torch.float16)
+    ),
 )
