@@ -109,8 +109,3 @@ class Guard:
             return self.runtime(*args) is None
         except Exception:  # a guard must never be the reason a generation fails
             return False
-
-
-def remembered_verdicts() -> int:
-    """How many metadata verdicts are remembered (tests check the bound)."""
-    return len(_verdicts)

@@ -50,6 +50,31 @@ def flux2_inputs(
     return residual, update, gate, scale, shift
 
 
+def flux3_inputs(
+    batch: int = 2,
+    tokens: int = 5,
+    dim: int = 8,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    *,
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """(residual, update, update2, gate, scale, shift) for one FLUX.3 site, random normal values.
+
+    Streams are contiguous [B, T, D] (update: the attention output, update2: the feed-forward's).
+    The modulation is what FLUX.3's blocks pass: `torch.chunk(temb_mod, 3, dim=-1)` of a contiguous
+    [B, T, 3D] tensor (shift, scale, gate), strided [B, T, D] views with row stride 3D.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    residual, update, update2 = (randn(batch, tokens, dim) for _ in range(3))
+    shift, scale, gate = randn(batch, tokens, 3 * dim).chunk(3, dim=-1)
+    return residual, update, update2, gate, scale, shift
+
+
 @dataclass(frozen=True)
 class Guard:
     """A public guard with its reason function, argument names, and validated op (defer has none)."""
@@ -69,7 +94,26 @@ GUARDS = {
     ),
     "defer": Guard(("residual", "update", "gate"), defer_decline_reason, guards.defer, None),
     "modnorm": Guard(("x", "scale", "shift"), modnorm_decline_reason, guards.plain, modnorm),
+    # FLUX.3's two-term update `residual + gate * (update + update2)`. The public reason functions
+    # and the validated op take update2 as a keyword, where None means no second update; these
+    # take it positionally, so that garbage in its place is judged as garbage (test_guards checks
+    # that the public forms agree with them).
+    "gated2": Guard(
+        ("residual", "update", "update2", "gate", "scale", "shift"),
+        guards.gated2.reason,
+        guards.gated2,
+        lambda r, u, v, g, sc, sh: validated_two_term(r, u, v, g, sc, sh),
+    ),
+    "defer2": Guard(("residual", "update", "update2", "gate"), guards.defer2.reason, guards.defer2, None),
 }
+
+
+def validated_two_term(*args: Any) -> Any:
+    """The validated op with a second update (positional here, so None is judged as garbage)."""
+    residual, update, update2, gate, scale, shift = args
+    if update2 is None:
+        guards.gated2.validate(*args)
+    return gated_resnorm(residual, update, gate, scale, shift, update2=update2)
 
 
 def check_guard(kind: str, args: tuple[Any, ...]) -> str | None:

@@ -9,6 +9,7 @@ fails if it holds a decline reason that no case here produces, so a new reason n
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from flux2_fused.ops.verdicts import TypeReason
 
 from .. import test_runtime
 from ..conftest import as_cuda, misaligned, reason_templates, untested
-from .conftest import GUARDS, check_guard, flux2_inputs
+from .conftest import GUARDS, check_guard, flux2_inputs, flux3_inputs
 
 B, T, D = 2, 5, 8
 BF16 = torch.bfloat16
@@ -53,6 +54,7 @@ def inputs(
         "residual": residual,
         "x": residual,
         "update": update,
+        "update2": update.clone(),
         "gate": gate,
         "scale": scale,
         "shift": shift,
@@ -71,10 +73,19 @@ def cuda_zeros(*shape: int, dtype: torch.dtype = BF16, index: int = 0) -> torch.
     return as_cuda(zeros(*shape, dtype=dtype), index)
 
 
-def token_rows(kind: str, *, dim: int = D, tokens: int = T, dtype: torch.dtype = BF16) -> tuple[Any, ...]:
-    """CUDA stand-in arguments with [T, D] streams and [D] modulation rows (no batch strides at all)."""
-    shapes = {"residual": (tokens, dim), "x": (tokens, dim), "update": (tokens, dim)}
-    return tuple(cuda_zeros(*shapes.get(name, (dim,)), dtype=dtype) for name in GUARDS[kind].names)
+def token_rows(
+    kind: str, *, dim: int = D, tokens: int = T, dtype: torch.dtype = BF16, mod_shape: tuple[int, ...] = ()
+) -> tuple[Any, ...]:
+    """CUDA stand-in arguments with [T, D] streams and modulation rows of `mod_shape` (default [D]:
+    no batch strides at all)."""
+    shapes = {
+        "residual": (tokens, dim),
+        "x": (tokens, dim),
+        "update": (tokens, dim),
+        "update2": (tokens, dim),
+    }
+    mod_shape = mod_shape or (dim,)
+    return tuple(cuda_zeros(*shapes.get(name, mod_shape), dtype=dtype) for name in GUARDS[kind].names)
 
 
 @dataclass(frozen=True)
@@ -144,19 +155,19 @@ CASES: dict[str, Case] = {
     "gate 4-d": Case(
         "gated",
         lambda: inputs("gated", gate=zeros(1, B, 1, D)),
-        "gate must broadcast over tokens ([D], [1, D] or [B, 1, D]), got (1, 2, 1, 8)",
+        "gate must be modulation rows [D], [T, D] or [B, T, D] (T: 1 or the tokens), got (1, 2, 1, 8)",
         ValueError,
     ),
-    "gate per token": Case(
+    "gate token rows differ": Case(
         "defer",
-        lambda: inputs("defer", gate=zeros(B, T, D)),
-        "gate must broadcast over tokens ([D], [1, D] or [B, 1, D]), got (2, 5, 8)",
+        lambda: inputs("defer", gate=zeros(B, T - 1, D)),
+        "gate has 4 token rows for a stream of 5 (needs one, or one a token)",
         ValueError,
     ),
     "scale 0-d": Case(
         "modnorm",
         lambda: inputs("modnorm", scale=torch.tensor(0.0, dtype=BF16)),
-        "scale must broadcast over tokens ([D], [1, D] or [B, 1, D]), got ()",
+        "scale must be modulation rows [D], [T, D] or [B, T, D] (T: 1 or the tokens), got ()",
         ValueError,
     ),
     "scale channels": Case(
@@ -171,16 +182,82 @@ CASES: dict[str, Case] = {
         "shift batch 3 does not match the stream batch 2",
         ValueError,
     ),
-    "scale per token on a [T, D] stream": Case(
+    "scale token rows on a [T, D] stream": Case(
         "modnorm",
-        lambda: inputs("modnorm", x=zeros(T, D), scale=zeros(T, D), shift=zeros(D)),
-        "scale must broadcast over tokens: a 2-D scale is [1, D], got (5, 8) (use [B, 1, D])",
+        lambda: inputs("modnorm", x=zeros(T, D), scale=zeros(T + 1, D), shift=zeros(D)),
+        "scale has 6 token rows for a stream of 5 (needs one, or one a token)",
         ValueError,
     ),
-    "gate [B, D] against [B, T, D]": Case(
+    "gate [B, D] against [B, T, D]": Case(  # eager aligns the 2 rows with the 5 tokens, and raises
         "gated",
         lambda: inputs("gated", gate=zeros(B, D)),
-        "gate must broadcast over tokens: a 2-D gate is [1, D], got (2, 8) (use [B, 1, D])",
+        "gate has 2 token rows for a stream of 5 (needs one, or one a token)",
+        ValueError,
+    ),
+    "per-token rows against one token": Case(  # eager would broadcast the stream to 5 tokens
+        "gated2",
+        lambda: inputs(
+            "gated2", gate=zeros(B, T, D), **{n: zeros(B, 1, D) for n in ("residual", "update", "update2")}
+        ),
+        "gate has 5 token rows for a stream of 1 (needs one, or one a token)",
+        ValueError,
+    ),
+    "FLUX.3 gate of another batch": Case(
+        "defer2",
+        lambda: inputs("defer2", gate=zeros(B + 1, T, 3 * D)[..., 2 * D :]),
+        "gate batch 3 does not match the stream batch 2",
+        ValueError,
+    ),
+    "gate row stride": Case(  # batch stride 64 (fine), rows 10 elements apart
+        "gated",
+        lambda: inputs("gated", gate=zeros(B * 64).as_strided((B, T, D), (64, 10, 1))),
+        "gate row stride 10 is not a multiple of 4 elements",
+        ValueError,
+    ),
+    "[T, D] shift row stride": Case(
+        "modnorm",
+        lambda: inputs("modnorm", shift=zeros(T, D + 2)[:, :D]),
+        "shift row stride 10 is not a multiple of 4 elements",
+        ValueError,
+    ),
+    "per-token scale inner stride": Case(
+        "gated2",
+        lambda: inputs("gated2", scale=zeros(B, T, 2 * D)[..., ::2]),
+        "scale has inner stride 2 (needs 1)",
+        ValueError,
+    ),
+    "per-token shift batch stride": Case(
+        "gated2",
+        lambda: inputs("gated2", shift=zeros(B * (T * D + 2)).as_strided((B, T, D), (T * D + 2, D, 1))),
+        "shift batch stride 42 is not a multiple of 4 elements",
+        ValueError,
+    ),
+    # --- the second update
+    "update2 None": Case(
+        "gated2", lambda: inputs("gated2", update2=None), "update2 is not a tensor", TypeError
+    ),
+    "update2 shape": Case(
+        "defer2",
+        lambda: inputs("defer2", update2=zeros(B, T, D)[:, 1:]),
+        "update2 shape (2, 4, 8) differs from residual (2, 5, 8)",
+        ValueError,
+    ),
+    "update2 broadcast over the batch": Case(  # eager would broadcast it; the kernel reads rows
+        "gated2",
+        lambda: inputs("gated2", update2=zeros(1, T, D)),
+        "update2 shape (1, 5, 8) differs from residual (2, 5, 8)",
+        ValueError,
+    ),
+    "update2 transposed": Case(
+        "gated2",
+        lambda: inputs("gated2", update2=zeros(B, D, T).transpose(1, 2)),
+        "update2 is not contiguous along its rows (needs strides (..., D, 1))",
+        ValueError,
+    ),
+    "update2 batch stride": Case(
+        "defer2",
+        lambda: inputs("defer2", update2=zeros(B * (T * D + 2)).as_strided((B, T, D), (T * D + 2, D, 1))),
+        "update2 batch stride 42 is not a multiple of 4 elements",
         ValueError,
     ),
     "gate inner stride": Case(
@@ -245,6 +322,24 @@ CASES: dict[str, Case] = {
         "gate is torch.float16, residual is torch.bfloat16 (eager would promote)",
         TypeError,
     ),
+    "update2 float16": Case(
+        "gated2",
+        lambda: inputs("gated2", cuda=True, update2=cuda_zeros(B, T, D, dtype=torch.float16)),
+        "update2 is torch.float16, residual is torch.bfloat16 (eager would promote)",
+        TypeError,
+    ),
+    "per-token scale float32": Case(
+        "gated2",
+        lambda: inputs("gated2", cuda=True, scale=cuda_zeros(B, T, D, dtype=torch.float32)),
+        "scale is torch.float32, residual is torch.bfloat16 (eager would promote)",
+        TypeError,
+    ),
+    "update2 on another GPU": Case(
+        "defer2",
+        lambda: inputs("defer2", cuda=True, update2=cuda_zeros(B, T, D, index=1)),
+        "update2 is on cuda:1, residual on cuda:0",
+        TypeError,
+    ),
     # --- autograd, alignment, hidden size
     "update requires grad": Case(
         "gated",
@@ -257,6 +352,24 @@ CASES: dict[str, Case] = {
         lambda: inputs("gated", cuda=True, update=AsyncCollectiveTensor(cuda_zeros(B, T, D))),
         "update is a AsyncCollectiveTensor; the kernel reads plain tensors only",
         TypeError,
+    ),
+    "update2 requires grad": Case(
+        "gated2",
+        lambda: inputs("gated2", cuda=True, update2=as_cuda(zeros(B, T, D).requires_grad_())),
+        "update2 requires grad and the fused kernel has no backward",
+        ValueError,
+    ),
+    "update2 misaligned": Case(
+        "defer2",
+        lambda: inputs("defer2", cuda=True, update2=as_cuda(misaligned(B, T, D))),
+        "update2 data pointer is not 8-byte aligned",
+        ValueError,
+    ),
+    "per-token gate misaligned": Case(
+        "gated2",
+        lambda: inputs("gated2", cuda=True, gate=as_cuda(misaligned(B, T, D))),
+        "gate data pointer is not 8-byte aligned",
+        ValueError,
     ),
     "residual misaligned": Case(
         "gated",
@@ -383,22 +496,42 @@ def test_kill_switch_values_that_keep_it_enabled(value: str, monkeypatch: pytest
 
 
 def _accepted_layouts(kind: str, dtype: torch.dtype) -> dict[str, tuple[Any, ...]]:
-    """Inputs the kernel reproduces, as CUDA stand-ins: FLUX.2's own and every broadcast layout."""
+    """Inputs the kernel reproduces, as CUDA stand-ins: FLUX.2's and FLUX.3's own, every broadcast
+    layout and every per-token one."""
     names = GUARDS[kind].names
-    streams = [name for name in names if name in ("residual", "x", "update")]
+    streams = [name for name in names if name in ("residual", "x", "update", "update2")]
     mods = [name for name in names if name not in streams]
     broadcast = {"gate": cuda_zeros(D, dtype=dtype), "scale": cuda_zeros(1, D, dtype=dtype)}
     broadcast["shift"] = cuda_zeros(1, 1, D, dtype=dtype)
     expanded = as_cuda(zeros(1, 1, D, dtype=dtype).expand(B, 1, D))  # batch stride 0
     joint = as_cuda(zeros(B, T + 3, D, dtype=dtype)[:, 3:])  # image rows of the joint stream
     empty = cuda_zeros(B, 0, D, dtype=dtype)
+    # FLUX.3: chunks of a [B, T, 3D] tensor (row stride 3D), and the other per-token layouts.
+    chunks = dict(
+        zip(("shift", "scale", "gate"), zeros(B, T, 3 * D, dtype=dtype).chunk(3, dim=-1), strict=True)
+    )
+    per_token = {
+        "gate": cuda_zeros(T, D, dtype=dtype),  # [T, D]: one row a token, shared by the batch
+        "scale": cuda_zeros(1, T, D, dtype=dtype),
+        "shift": as_cuda(zeros(1, T, D, dtype=dtype).expand(B, T, D)),  # batch stride 0
+    }
+    token_expanded = as_cuda(zeros(B, 1, D, dtype=dtype).expand(B, T, D))  # row stride 0
     return {
         "FLUX.2 chunks": inputs(kind, cuda=True, dtype=dtype),
+        "FLUX.3 chunks": inputs(kind, cuda=True, dtype=dtype, **{k: as_cuda(chunks[k]) for k in mods}),
         "broadcast rows": inputs(kind, cuda=True, dtype=dtype, **{k: broadcast[k] for k in mods}),
+        "per-token rows": inputs(kind, cuda=True, dtype=dtype, **{k: per_token[k] for k in mods}),
         "expanded rows": inputs(kind, cuda=True, dtype=dtype, **dict.fromkeys(mods, expanded)),
+        "rows expanded over tokens": inputs(
+            kind, cuda=True, dtype=dtype, **dict.fromkeys(mods, token_expanded)
+        ),
         "rows of a longer stream": inputs(kind, cuda=True, dtype=dtype, **dict.fromkeys(streams, joint)),
         "[T, D] stream": token_rows(kind, dtype=dtype),
+        "[T, D] stream, [T, D] rows": token_rows(kind, dtype=dtype, mod_shape=(T, D)),
+        "[T, D] stream, [1, T, D] rows": token_rows(kind, dtype=dtype, mod_shape=(1, T, D)),
         "no tokens": inputs(kind, cuda=True, dtype=dtype, **dict.fromkeys(streams, empty)),
+        "no tokens, per-token rows": token_rows(kind, dtype=dtype, tokens=0, mod_shape=(0, D)),
+        "one token": token_rows(kind, dtype=dtype, tokens=1, mod_shape=(1, 1, D)),
         "D=4": inputs(kind, cuda=True, dtype=dtype, dim=4),
         "D=max": inputs(kind, cuda=True, dtype=dtype, dim=MAX_DIM),
     }
@@ -413,19 +546,40 @@ def test_accepts_what_the_kernel_reproduces(kind: str, dtype: torch.dtype) -> No
 
 
 @pytest.mark.usefixtures("accept_runtime")
-def test_2d_modulation_broadcasts_over_tokens() -> None:
+def test_2d_modulation_is_per_token() -> None:
     """Eager aligns a [R, D] gate with the last two axes of [B, T, D]: per token, never per batch.
 
-    With R == T it applies row t to token t, otherwise it raises; the kernel would apply row b to
-    batch b. So a [B, D] row tensor with B > 1 is not a FLUX.2 layout the kernel can reproduce.
+    With R == T it applies row t to token t of every batch (so does the kernel: the rows are a
+    token's), with R == 1 it broadcasts, otherwise it raises. A [B, D] tensor of per-batch rows is
+    therefore accepted only where B == T, and then as eager reads it: per token.
     """
     residual, gate = torch.zeros(B, B, D), torch.randn(B, D)
-    assert torch.equal((residual + gate)[1, 0], gate[0])  # batch 1 gets row 0: broadcast over batches
+    assert torch.equal((residual + gate)[1, 0], gate[0])  # batch 1 gets row 0: rows are tokens
+    assert torch.equal((residual + gate)[0, 1], gate[1])
     with pytest.raises(RuntimeError):
         torch.zeros(B, T, D) + gate  # T != B: eager refuses
-    for tokens in (B, T):
-        args = (cuda_zeros(B, tokens, D), cuda_zeros(B, tokens, D), cuda_zeros(B, D))
-        assert defer_decline_reason(*args) is not None, f"[{B}, {D}] gate against [{B}, {tokens}, {D}]"
+    args = (cuda_zeros(B, B, D), cuda_zeros(B, B, D), cuda_zeros(B, D))
+    assert defer_decline_reason(*args) is None, f"[{B}, {D}] gate against [{B}, {B}, {D}]: per token"
+    args = (cuda_zeros(B, T, D), cuda_zeros(B, T, D), cuda_zeros(B, D))
+    assert defer_decline_reason(*args) is not None, f"[{B}, {D}] gate against [{B}, {T}, {D}]"
+
+
+@pytest.mark.usefixtures("accept_runtime")
+def test_public_two_term_forms_agree_with_the_guard() -> None:
+    """`gated_resnorm_decline_reason(..., update2=v)`, `defer_decline_reason(..., update2=v)` and the
+    validated op with update2 give the two-term guard's reasons (the GUARDS table calls the guard
+    itself); update2=None is the one-term site."""
+    residual, update, update2, gate, scale, shift = (as_cuda(t) for t in flux3_inputs(B, T, D))
+    bad = as_cuda(zeros(B, T - 1, D))
+    reason = "update2 shape (2, 4, 8) differs from residual (2, 5, 8)"
+    assert gated_resnorm_decline_reason(residual, update, gate, scale, shift, update2=bad) == reason
+    assert defer_decline_reason(residual, update, gate, update2=bad) == reason
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        gated_resnorm.gated_resnorm(residual, update, gate, scale, shift, update2=bad)
+    assert gated_resnorm_decline_reason(residual, update, gate, scale, shift, update2=update2) is None
+    assert defer_decline_reason(residual, update, gate, update2=update2) is None
+    assert gated_resnorm_decline_reason(residual, update, gate, scale, shift) is None
+    assert defer_decline_reason(residual, update, gate, update2=None) is None
 
 
 @pytest.mark.usefixtures("accept_runtime")
@@ -442,7 +596,8 @@ def test_requires_grad_is_fine_without_grad_mode() -> None:
 def test_remembered_verdict_still_checks_each_call(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The guards remember metadata verdicts; what equal metadata does not decide is checked per call:
     data alignment, gradients, the kill switch (and the self-check, via the runtime stage)."""
-    monkeypatch.setattr(verdicts, "_verdicts", {})
+    remembered: dict = {}
+    monkeypatch.setattr(verdicts, "_verdicts", remembered)
     stream = GUARDS[kind].names[0]
     aligned = inputs(kind, cuda=True)
     shifted = inputs(kind, cuda=True, **{stream: as_cuda(misaligned(B, T, D))})  # same shape and strides
@@ -451,7 +606,7 @@ def test_remembered_verdict_still_checks_each_call(kind: str, monkeypatch: pytes
         assert check_guard(kind, aligned) is None
         assert check_guard(kind, shifted) == f"residual data pointer is not {verdicts.ALIGN}-byte aligned"
         assert check_guard(kind, grad) == "residual requires grad and the fused kernel has no backward"
-    assert verdicts.remembered_verdicts() == 1
+    assert len(remembered) == 1
     monkeypatch.undo()  # the real runtime stage: the kill switch is read on every call
     monkeypatch.setenv(DISABLE_ENV, "1")
     assert GUARDS[kind].check(*aligned) is False
@@ -459,32 +614,49 @@ def test_remembered_verdict_still_checks_each_call(kind: str, monkeypatch: pytes
 
 @pytest.mark.usefixtures("accept_runtime")
 def test_remembered_verdicts_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(verdicts, "_verdicts", {})
+    remembered: dict = {}
+    monkeypatch.setattr(verdicts, "_verdicts", remembered)
     monkeypatch.setattr(verdicts, "MAX_VERDICTS", 3)
     for tokens in range(1, 11):
         assert check_guard("modnorm", inputs("modnorm", cuda=True, x=cuda_zeros(B, tokens, D))) is None
-        assert verdicts.remembered_verdicts() <= 3
+        assert 0 < len(remembered) <= 3
 
 
-def _rows(kind: str) -> tuple[list[Segment], bool]:
-    """Segments one launch cannot take, whatever their tensors, and the write_residual they go with."""
-    residual, update, gate, _, _ = inputs("gated", cuda=True)
+def _rows(kind: str) -> tuple[list[Segment], Any, Any, bool]:
+    """Segments one launch cannot take with this form of modulation, whatever their tensors: (rows,
+    scale, shift, write_residual)."""
+    residual, update, gate, scale, shift = inputs("gated", cuda=True)
     gated, plain = Segment(residual, update, gate), Segment(residual)
+    two_term = Segment(residual, update, gate, update2=update)
+    per_token = cuda_zeros(B, T, D)
     return {
-        "three segments": ([gated, gated, gated], True),
-        "mixed": ([gated, plain], True),
-        "plain concat written": ([plain, plain], True),
-        "2-D concat": ([Segment(residual[0]), Segment(residual[0])], False),
-        "batch differs": ([plain, Segment(residual[:1])], False),
+        "three segments": ([gated, gated, gated], scale, shift, True),
+        "mixed": ([gated, plain], scale, shift, True),
+        "one- and two-term": ([gated, two_term], scale, shift, True),
+        "plain concat written": ([plain, plain], scale, shift, True),
+        "2-D concat": ([Segment(residual[0]), Segment(residual[0])], scale, shift, False),
+        "batch differs": ([plain, Segment(residual[:1])], scale, shift, False),
+        # Eager would modulate the concat (10 tokens) with these 5 rows, and raise.
+        "per-token scale shared": ([two_term, two_term], per_token, shift, True),
+        "per-token shift shared": ([plain, plain], scale, per_token, False),
+        "tuple and tensor": ([gated, gated], (scale, scale), shift, True),
+        "tuple too short": ([gated, gated], (scale,), (shift,), True),
+        "tuple too long": ([gated], (scale, scale), (shift, shift), True),
     }[kind]
 
 
 ROWS_CASES = {
     "three segments": "a launch takes one or two segments, got 3",
     "mixed": "the two segments mix gated and plain rows",
+    "one- and two-term": "the two segments mix one- and two-term updates",
     "plain concat written": "the kernel writes no concat of plain rows",
     "2-D concat": "segments to concatenate must be [B, T, D]",
     "batch differs": "the two segments differ in batch",
+    "per-token scale shared": "a per-token scale shared by two segments (pass one per segment)",
+    "per-token shift shared": "a per-token shift shared by two segments (pass one per segment)",
+    "tuple and tensor": "scale and shift must both be tensors or both be tuples with one tensor per segment",
+    "tuple too short": "per-segment scale and shift need one tensor per segment (2), got 1 and 1",
+    "tuple too long": "per-segment scale and shift need one tensor per segment (1), got 2 and 2",
 }
 
 
@@ -492,8 +664,7 @@ ROWS_CASES = {
 @pytest.mark.usefixtures("accept_runtime")
 def test_entry_point_declines_what_one_launch_cannot_do(kind: str) -> None:
     """The entry point's own reasons; `fused` then returns None, so the caller runs the eager chain."""
-    rows, write_residual = _rows(kind)
-    _, _, _, scale, shift = inputs("gated", cuda=True)
+    rows, scale, shift, write_residual = _rows(kind)
     assert decline_reason(rows, scale, shift, write_residual=write_residual) == ROWS_CASES[kind]
     assert gated_resnorm.fused(rows, scale, shift, 1e-6, write_residual=write_residual) is None
 
@@ -508,15 +679,80 @@ def test_entry_point_accepts_one_or_two_guarded_segments() -> None:
     assert decline_reason([gated], scale, shift[..., :4]) == "shift has 4 channels, residual has 8"
 
 
+@pytest.mark.usefixtures("accept_runtime")
+def test_entry_point_takes_flux3_sites() -> None:
+    """FLUX.3's sites: a mode block's two-term update with per-token chunk modulation, the single
+    block's text and image segments with their own modulation (one tuple entry each), the output
+    norm's plain rows; and the reasons when a segment's own modulation does not fit its rows."""
+    text, image = 7, 37
+    r_t, u_t, v_t, g_t, sc_t, sh_t = (as_cuda(t) for t in flux3_inputs(B, text, D, seed=1))
+    r_i, u_i, v_i, g_i, sc_i, sh_i = (as_cuda(t) for t in flux3_inputs(B, image, D, seed=2))
+    txt, img = Segment(r_t, u_t, g_t, update2=v_t), Segment(r_i, u_i, g_i, update2=v_i)
+    assert decline_reason([img], sc_i, sh_i) is None
+    assert decline_reason([img], (sc_i,), (sh_i,)) is None  # a tuple of one for one segment
+    assert decline_reason([txt, img], (sc_t, sc_i), (sh_t, sh_i)) is None
+    assert (
+        decline_reason([Segment(r_t), Segment(r_i)], (sc_t, sc_i), (sh_t, sh_i), write_residual=False) is None
+    )
+    assert decline_reason([Segment(r_i)], sc_i, sh_i) is None
+    # Broadcast rows per segment, and one broadcast modulation shared (FLUX.2's single block).
+    *_, flux2_scale, flux2_shift = inputs("gated", cuda=True)
+    assert decline_reason([txt, img], (flux2_scale, sc_i), (flux2_shift, sh_i)) is None
+    assert decline_reason([txt, img], flux2_scale, flux2_shift) is None
+    # Each segment is judged with its own rows: the text rows' scale on the image rows declines.
+    expected = "scale has 7 token rows for a stream of 37 (needs one, or one a token)"
+    assert decline_reason([txt, img], (sc_t, sc_t), (sh_t, sh_i)) == expected
+    assert decline_reason([img, txt], (sc_t, sc_i), (sh_t, sh_i)) == expected
+    assert (
+        decline_reason([txt, img], (sc_t, sc_i), (sh_t, sh_t[..., :4]))
+        == "shift has 4 channels, residual has 8"
+    )
+    # One per-token modulation for the concat (eager's form for a shared one): each segment's guard
+    # sees rows that are not its own and declines (the entry point's own reason covers equal counts).
+    joint_scale, joint_shift = as_cuda(zeros(B, text + image, D)), as_cuda(zeros(B, text + image, D))
+    expected = "scale has 44 token rows for a stream of 7 (needs one, or one a token)"
+    assert decline_reason([txt, img], joint_scale, joint_shift) == expected
+    two_term_bad = Segment(r_i, u_i, g_i, update2=v_i[:, 1:])
+    expected = "update2 shape (2, 36, 8) differs from residual (2, 37, 8)"
+    assert decline_reason([txt, two_term_bad], (sc_t, sc_i), (sh_t, sh_i)) == expected
+    assert (
+        gated_resnorm.fused([txt, two_term_bad], (sc_t, sc_i), (sh_t, sh_i), 1e-6, write_residual=True)
+        is None
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_on_the_cpu_is_the_eager_chain(dtype: torch.dtype) -> None:
     """Where the guards decline (here: CPU tensors) `apply` is `reference.segments`, bit for bit."""
     residual, update, gate, scale, shift = flux2_inputs(dtype=dtype)
-    for rows in ([Segment(residual, update, gate)], [Segment(residual)], [Segment(residual)] * 2):
-        assert gated_resnorm.fused(rows, scale, shift, 1e-6, write_residual=False) is None
-        out, stream = gated_resnorm.apply(rows, scale, shift, 1e-6, write_residual=True)
-        ref_out, ref_stream = gated_resnorm.reference.segments(rows, scale, shift)
+    r3, u3, v3, g3, sc3, sh3 = flux3_inputs(dtype=dtype)
+    sites = [
+        ([Segment(residual, update, gate)], scale, shift),
+        ([Segment(residual)], scale, shift),
+        ([Segment(residual)] * 2, scale, shift),
+        ([Segment(r3, u3, g3, update2=v3)], sc3, sh3),
+        (
+            [Segment(r3, u3, g3, update2=v3), Segment(residual, update, gate, update2=u3)],
+            (sc3, scale),
+            (sh3, shift),
+        ),
+    ]
+    for rows, sc, sh in sites:
+        assert gated_resnorm.fused(rows, sc, sh, 1e-6, write_residual=False) is None
+        out, stream = gated_resnorm.apply(rows, sc, sh, 1e-6, write_residual=True)
+        ref_out, ref_stream = gated_resnorm.reference.segments(rows, sc, sh)
         assert torch.equal(out, ref_out) and torch.equal(stream, ref_stream)
+
+
+def test_apply_raises_where_eager_raises() -> None:
+    """A malformed modulation is declined by the entry point and raised by the eager chain it falls
+    back to, never computed into something eager would not give."""
+    residual, update, gate, scale, shift = flux2_inputs()
+    rows = [Segment(residual, update, gate)] * 2
+    with pytest.raises(TypeError, match="both be tensors or both be tuples"):
+        gated_resnorm.apply(rows, (scale, scale), shift, 1e-6, write_residual=True)
+    with pytest.raises(TypeError, match="one tensor per segment"):
+        gated_resnorm.apply(rows, (scale,), (shift,), 1e-6, write_residual=True)
 
 
 GARBAGE = {

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the guards on CPU: 10,000 random calls, about 20 s on one core.
+"""Property-based fuzzing of the guards on CPU: 10,000 random calls of five guards, about a minute.
 
 Tensors are drawn as specs (shape, layout, dtype, device, requires_grad) and built on CPU, on the
 meta device, or as CUDA stand-ins over meta tensors (conftest.as_cuda), which reach every check
@@ -8,8 +8,9 @@ stage accepts (conftest.accept_runtime): whatever a guard declines here, the met
 Properties: the public guards never raise and return a bool that agrees with their reason function
 (which never raises either); the validated ops raise TypeError or ValueError carrying that reason; no
 guard accepts inputs the kernel cannot reproduce (`reproduces_eager`, stated from eager's
-broadcasting and the kernel's memory reads, not from the guard's code); and FLUX.2's own layouts
-are always accepted.
+broadcasting and the kernel's memory reads, not from the guard's code); and FLUX.2's and FLUX.3's
+own layouts (modulation rows per batch, broadcast or per token; one update or two) are always
+accepted.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ LAYOUTS = [
     "chunk",
     "odd-batch",
 ]
-# One thing changed in an argument of a FLUX.2 layout (see `flux2_sites`).
+# One thing changed in an argument of a FLUX.2 or FLUX.3 layout (see `flux_sites`).
 CHANGES = ["shape", "layout", "dtype", "device", "grad", "garbage"]
 
 
@@ -127,7 +128,8 @@ def tensor_specs(draw: st.DrawFn) -> TensorSpec:
     )
 
 
-SITE = ("residual", "update", "gate", "scale", "shift")  # what a draw holds, in this order
+SITE = ("residual", "update", "update2", "gate", "scale", "shift")  # what a draw holds, in this order
+STREAMS = ("residual", "x", "update", "update2")
 
 
 def positions(kind: str) -> list[int]:
@@ -136,10 +138,10 @@ def positions(kind: str) -> list[int]:
 
 
 @settings(FUZZ, max_examples=4000)
-@given(args=st.tuples(*[st.one_of(GARBAGE, tensor_specs()) for _ in range(5)]), grad_mode=st.booleans())
+@given(args=st.tuples(*[st.one_of(GARBAGE, tensor_specs()) for _ in SITE]), grad_mode=st.booleans())
 @pytest.mark.usefixtures("accept_runtime")
 def test_random_arguments(args: tuple[Any, ...], grad_mode: bool) -> None:
-    """Five independent random arguments: rarely acceptable, always answered."""
+    """Six independent random arguments: rarely acceptable, always answered."""
     tensors = tuple(build(spec) for spec in args)
     with torch.set_grad_enabled(grad_mode):
         for kind in GUARDS:
@@ -158,8 +160,9 @@ def reproduces_eager(streams: list[Any], mods: list[Any]) -> bool:
     """What the kernel needs to compute exactly what eager computes (the guards may decline more).
 
     Eager: stream shapes equal (else it would broadcast them), one CUDA device, one bf16/fp16 dtype
-    (else it would promote), no autograd graph wanted, and modulation rows that broadcast over
-    tokens - padded to 3-D as eager aligns trailing axes, [R, 1, D] with R one or the batch.
+    (else it would promote), no autograd graph wanted, and modulation rows that leave the stream's
+    shape as it is - padded to 3-D as eager aligns trailing axes, [R, S, D] with R one or the batch
+    and S one (broadcast over tokens) or the tokens (one row a token).
     aten's vectorized LayerNorm and the kernel: 0 < D <= MAX_DIM, D % 4 == 0. The kernel's reads:
     every row has unit stride and starts 8-byte aligned.
     """
@@ -176,30 +179,34 @@ def reproduces_eager(streams: list[Any], mods: list[Any]) -> bool:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     dim, batch = first.shape[-1], first.shape[0] if first.dim() == 3 else 1
+    tokens = first.shape[-2]
     if not (0 < dim <= MAX_DIM and dim % 4 == 0):
         return False
     for m in mods:
         if not 1 <= m.dim() <= 3:
             return False
         rows, per_token, channels = (1,) * (3 - m.dim()) + tuple(m.shape)
-        if per_token != 1 or channels != dim or rows not in (1, batch):
+        if per_token not in (1, tokens) or channels != dim or rows not in (1, batch):
             return False
     return all(t.stride(-1) == 1 and all(p % 8 == 0 for p in row_pointers(t)) for t in tensors)
 
 
 @st.composite
-def flux2_sites(draw: st.DrawFn) -> tuple[tuple[Any, ...], bool]:
-    """(residual, update, gate, scale, shift) near FLUX.2's layouts, and whether they are exactly one.
+def flux_sites(draw: st.DrawFn) -> tuple[tuple[Any, ...], bool]:
+    """(residual, update, update2, gate, scale, shift) near FLUX.2's and FLUX.3's layouts, and
+    whether they are exactly one.
 
-    Each argument is one of FLUX.2's layouts for the drawn (B, T, D), dtype and device; up to two of
-    them get one thing changed: shape, layout, dtype, device, grad flag, or garbage instead. The
-    draws lean towards what the kernel supports, so that about a fifth of the calls are accepted.
+    Each argument is one of those layouts for the drawn (B, T, D), dtype and device (modulation rows
+    per batch, broadcast, or per token: chunks of a [B, T, 6D] tensor, [T, D], [1, T, D], expanded
+    over the batch); up to two of them get one thing changed: shape, layout, dtype, device, grad
+    flag, or garbage instead. The draws lean towards what the kernel supports, so that about a fifth
+    of the calls are accepted.
     """
     batch, tokens, dim = draw(SIZES), draw(SIZES), draw(DIMS)
     rank = draw(st.sampled_from([2, 3]))
     dtype = draw(st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16, torch.float32]))
     device = draw(st.sampled_from(["cuda:0", "cuda:0", "cuda:0", "cuda:1", "cpu", "meta"]))
-    changed = draw(st.sets(st.integers(0, 4), max_size=2))
+    changed = draw(st.sets(st.integers(0, len(SITE) - 1), max_size=2))
     stream_shape = (batch, tokens, dim) if rank == 3 else (tokens, dim)
     rows = batch if rank == 3 else 1
     stream_layouts = [("contiguous", stream_shape), ("row-offset", stream_shape)]
@@ -207,10 +214,13 @@ def flux2_sites(draw: st.DrawFn) -> tuple[tuple[Any, ...], bool]:
         stream_layouts.append(("expand", stream_shape))  # one stream shared by the batch: batch stride 0
     mod_layouts = [("contiguous", s) for s in ((dim,), (1, dim), (1, 1, dim), (rows, 1, dim))]
     mod_layouts += [("chunk", (rows, 1, dim)), ("expand", (rows, 1, dim))]
+    # Per token (FLUX.3): one row a token, per batch or shared by the batch.
+    mod_layouts += [("contiguous", s) for s in ((tokens, dim), (1, tokens, dim), (rows, tokens, dim))]
+    mod_layouts += [("chunk", (rows, tokens, dim)), ("expand", (rows, tokens, dim))]
     canonical = dtype in SUPPORTED and device.startswith("cuda") and 0 < dim <= MAX_DIM and dim % 4 == 0
     args = []
-    for position in range(5):
-        layout, shape = draw(st.sampled_from(stream_layouts if position < 2 else mod_layouts))
+    for position, name in enumerate(SITE):
+        layout, shape = draw(st.sampled_from(stream_layouts if name in STREAMS else mod_layouts))
         spec = TensorSpec(shape, layout, dtype, device, k=draw(st.integers(0, 5)))
         change = draw(st.sampled_from(CHANGES)) if position in changed else None
         if change == "shape":
@@ -231,18 +241,20 @@ def flux2_sites(draw: st.DrawFn) -> tuple[tuple[Any, ...], bool]:
 
 
 @settings(FUZZ, max_examples=6000)
-@given(site=flux2_sites(), grad_mode=st.booleans())
+@given(site=flux_sites(), grad_mode=st.booleans())
 @pytest.mark.usefixtures("accept_runtime")
-def test_flux2_like_arguments(site: tuple[tuple[Any, ...], bool], grad_mode: bool) -> None:
+def test_flux_like_arguments(site: tuple[tuple[Any, ...], bool], grad_mode: bool) -> None:
     specs, canonical = site
     tensors = tuple(build(spec) for spec in specs)
     with torch.set_grad_enabled(grad_mode):
         for kind in GUARDS:
             args = [tensors[i] for i in positions(kind)]
-            streams, mods = (args[:2], args[2:]) if kind != "modnorm" else (args[:1], args[1:])
+            names = GUARDS[kind].names
+            streams = [t for name, t in zip(names, args, strict=True) if name in STREAMS]
+            mods = [t for name, t in zip(names, args, strict=True) if name not in STREAMS]
             reason = check_guard(kind, tuple(args))
             event(f"{kind}: {'accepted' if reason is None else 'declined'}")  # --hypothesis-show-statistics
             if reason is None:
                 assert reproduces_eager(streams, mods), f"{kind} accepted what the kernel cannot reproduce"
             if canonical:
-                assert reason is None, f"{kind} declined FLUX.2's own layout: {reason}"
+                assert reason is None, f"{kind} declined FLUX.2's or FLUX.3's own layout: {reason}"

@@ -1,11 +1,18 @@
-"""GPU tests: the fused kernel equals eager bit for bit (run with `pytest -m gpu` on a CUDA machine)."""
+"""GPU tests: the fused kernel equals eager bit for bit (run with `pytest -m gpu` on a CUDA machine).
+
+FLUX.1/FLUX.2 layouts (per-batch and broadcast modulation rows, one update, one or two segments with
+one modulation) first; then FLUX.3's: per-token modulation rows (chunks of [B, T, 3D], [T, D],
+[1, T, D]), the two-term update, and the single block's two segments with their own modulation.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from flux2_fused.ops import bits_equal, random_bits, self_check_records
+from flux2_fused.ops import gated_resnorm as op
 from flux2_fused.ops.gated_resnorm import (
     Segment,
     gated_resnorm,
@@ -16,6 +23,8 @@ from flux2_fused.ops.gated_resnorm import (
     modnorm_reference,
 )
 from flux2_fused.ops.gated_resnorm.launch import launch
+
+from ...conftest import fused_launches
 
 pytestmark = pytest.mark.gpu
 
@@ -248,3 +257,272 @@ def test_tensors_on_a_device_other_than_the_current_one():
         ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift)
         assert bits_equal(out, ref_out) and bits_equal(residual_out, ref_residual)
         assert bits_equal(plain, modnorm_reference(residual, scale, shift))
+
+
+# --- FLUX.3: per-token modulation, the two-term update, per-segment modulation ---
+
+FLUX3_TOKENS = [1, 7, 37, 4097]  # odd counts; 37: a small image, 4097: past a power of two
+FLUX3_DIMS = [3072, 5000]  # 3072: FLUX.3 (24 heads x 128); 5000: threads end with different counts
+
+
+def _per_token_modulation(batch: int, tokens: int, dim: int, dtype: torch.dtype, layout: str, gen):
+    """(gate, scale, shift) per token: `torch.chunk(temb_mod, 3, dim=-1)` of a [B, T, 3D] tensor
+    (FLUX.3's blocks), of a [T, 3D] one ([T, D] rows shared by the batch), [1, T, D] rows, or a
+    per-token gate with FLUX.2's per-batch scale and shift. Edge rows as in `_rows`."""
+    if layout == "[B, T, 3D] chunks":
+        shift, scale, gate = _rows(batch, tokens, 3 * dim, dtype, gen).chunk(3, dim=-1)
+    elif layout == "[T, D] chunks":
+        shift, scale, gate = _rows(1, tokens, 3 * dim, dtype, gen)[0].chunk(3, dim=-1)
+    elif layout == "[1, T, D]":
+        shift, scale, gate = (_rows(1, tokens, dim, dtype, gen) for _ in range(3))
+    else:  # per-token gate, per-batch scale and shift
+        gate = _rows(batch, tokens, 3 * dim, dtype, gen)[..., dim : 2 * dim]
+        _, scale, shift = _modulation(batch, dim, dtype, "strided", gen)
+    return gate, scale, shift
+
+
+PER_TOKEN_LAYOUTS = ["[B, T, 3D] chunks", "[T, D] chunks", "[1, T, D]", "per-token gate only"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("terms", [1, 2], ids=["update", "update+update2"])
+@pytest.mark.parametrize("layout", PER_TOKEN_LAYOUTS)
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dim", FLUX3_DIMS)
+@pytest.mark.parametrize("tokens", FLUX3_TOKENS)
+def test_per_token_modulation_bit_exact(tokens, dim, batch, layout, terms, dtype, gen):
+    """FLUX.3's mode-block site: `residual + gate * (update + update2)` (or one update) into the next
+    norm, modulation rows per token; and the plain variant with the same rows."""
+    residual, update, update2 = (_rows(batch, tokens, dim, dtype, gen) for _ in range(3))
+    update2 = update2 if terms == 2 else None
+    gate, scale, shift = _per_token_modulation(batch, tokens, dim, dtype, layout, gen)
+    before = [t.clone() for t in (residual, update, gate, scale, shift)]
+    out, residual_out = gated_resnorm(residual, update, gate, scale, shift, update2=update2)
+    ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift, update2=update2)
+    assert out.shape == ref_out.shape and residual_out.shape == ref_residual.shape
+    assert bits_equal(residual_out, ref_residual)
+    assert bits_equal(out, ref_out)
+    for t, b in zip((residual, update, gate, scale, shift), before, strict=True):  # inputs untouched
+        assert torch.equal(t.view(torch.int16), b.view(torch.int16))
+    x = _rows(batch, tokens, dim, dtype, gen)
+    assert bits_equal(modnorm(x, scale, shift), modnorm_reference(x, scale, shift))
+
+
+def test_per_token_rows_of_a_2d_stream(gen):
+    """A [T, D] stream with [T, D] rows stays [T, D]; with [1, T, D] rows it becomes [1, T, D]."""
+    dim, dtype = 3072, torch.bfloat16
+    residual, update, update2 = (_rows(1, 301, dim, dtype, gen)[0] for _ in range(3))
+    shift, scale, gate = _rows(1, 301, 3 * dim, dtype, gen).chunk(3, dim=-1)
+    for rows in ((gate[0], scale[0], shift[0]), (gate, scale, shift)):
+        out, residual_out = gated_resnorm(residual, update, *rows, update2=update2)
+        ref_out, ref_residual = gated_resnorm_reference(residual, update, *rows, update2=update2)
+        assert out.shape == ref_out.shape and residual_out.shape == ref_residual.shape
+        assert bits_equal(residual_out, ref_residual) and bits_equal(out, ref_out)
+
+
+def _two_term_edge_cases(dim: int, dtype: torch.dtype, gen: torch.Generator):
+    """`_edge_value_cases` for the two-term update and per-token rows: subnormal products and sums of
+    the updates, (1 + scale) near 0, updates whose sum overflows or cancels, non-finite modulation,
+    random bit patterns in all six inputs."""
+    tiny, huge = (1e-20, 3e38) if dtype == torch.bfloat16 else (1e-4, 6e4)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
+
+    steps = torch.randint(-3, 4, (2, 33, dim), generator=gen, device="cuda")
+    near_minus_one = (-1 + steps * 2.0**-8).to(dtype)
+    yield (
+        "subnormal products",
+        (
+            randn(2, 33, dim, scale=tiny * tiny),
+            randn(2, 33, dim, scale=tiny),
+            randn(2, 33, dim, scale=tiny),
+            randn(2, 33, dim, scale=tiny),
+            near_minus_one,
+            randn(2, 33, dim, scale=tiny * tiny),
+        ),
+    )
+    update = randn(2, 33, dim, scale=huge)
+    cancel = -update  # update + update2 == +0 exactly: the gate then multiplies a signed zero
+    cancel[:, 1::2] = randn(2, 16, dim, scale=huge)  # odd rows: sums that overflow
+    gate, scale, shift = randn(2, 33, dim), randn(2, 33, dim), randn(2, 33, dim)
+    gate[..., 5], scale[..., 7], shift[..., 9] = float("nan"), float("inf"), -float("inf")
+    gate[..., 13], scale[..., 11], scale[..., 15] = huge, float("nan"), -1.0
+    yield (
+        "cancelling and overflowing updates",
+        (randn(2, 33, dim, scale=1e3), update, cancel, gate, scale, shift),
+    )
+    yield "random bit patterns", tuple(random_bits((2, 33, dim), dtype, gen) for _ in range(6))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dim", [3072, 6144, 5000])
+def test_two_term_edge_values_bit_exact(dim, dtype, gen):
+    for name, (residual, update, update2, gate, scale, shift) in _two_term_edge_cases(dim, dtype, gen):
+        out, residual_out = gated_resnorm(residual, update, gate, scale, shift, update2=update2)
+        ref_out, ref_residual = gated_resnorm_reference(residual, update, gate, scale, shift, update2=update2)
+        assert bits_equal(residual_out, ref_residual), name
+        assert bits_equal(out, ref_out), name
+        assert bits_equal(
+            modnorm(residual_out, scale, shift), modnorm_reference(residual_out, scale, shift)
+        ), name
+
+
+def _flux3_single_block_inputs(batch: int, text: int, image: int, dim: int, dtype: torch.dtype, gen):
+    """Text and image streams with FLUX.3's pending two-term updates, and each mode's [B, T, 3D]
+    modulation split as its single block splits it: (rows, (c_scale, scale), (c_shift, shift))."""
+    txt = [_rows(batch, text, dim, dtype, gen) for _ in range(3)]
+    img = [_rows(batch, image, dim, dtype, gen) for _ in range(3)]
+    c_shift, c_scale, c_gate = _rows(batch, text, 3 * dim, dtype, gen).chunk(3, dim=-1)
+    shift, scale, gate = _rows(batch, image, 3 * dim, dtype, gen).chunk(3, dim=-1)
+    rows = [Segment(txt[0], txt[1], c_gate, update2=txt[2]), Segment(img[0], img[1], gate, update2=img[2])]
+    return rows, (c_scale, scale), (c_shift, shift)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize(("text", "image"), [(7, 37), (1, 4096 + 7), (77, 1)])
+def test_single_block_per_segment_modulation(text, image, batch, dtype, gen):
+    """FLUX.3's single block input in one launch: text rows normalized with the text modulation,
+    image rows with the image modulation, both written into one joint buffer (text first), and the
+    concat of the two streams: equal to diffusers' chain, and run by the kernel (`fused` accepts)."""
+    dim = 3072
+    rows, scales, shifts = _flux3_single_block_inputs(batch, text, image, dim, dtype, gen)
+    result = op.fused(rows, scales, shifts, 1e-6, write_residual=True)
+    assert result is not None, op.decline_reason(rows, scales, shifts)
+    out, stream = result
+    enc, hs = (segment.materialize() for segment in rows)
+    norm_enc = (1 + scales[0]) * F.layer_norm(enc, (dim,), eps=1e-6) + shifts[0]
+    norm_hs = (1 + scales[1]) * F.layer_norm(hs, (dim,), eps=1e-6) + shifts[1]
+    assert bits_equal(stream, torch.cat([enc, hs], dim=1))
+    assert bits_equal(out, torch.cat([norm_enc, norm_hs], dim=1))
+    ref_out, ref_stream = op.reference.segments(rows, scales, shifts)
+    assert bits_equal(out, ref_out) and bits_equal(stream, ref_stream)
+    out_only, none = op.fused(rows, scales, shifts, 1e-6, write_residual=False)
+    assert none is None and bits_equal(out_only, ref_out)
+    one_term = [Segment(s.residual, s.update, s.gate) for s in rows]
+    out, stream = op.fused(one_term, scales, shifts, 1e-6, write_residual=True)
+    ref_out, ref_stream = op.reference.segments(one_term, scales, shifts)
+    assert bits_equal(out, ref_out) and bits_equal(stream, ref_stream)
+    plain = [Segment(enc), Segment(hs)]
+    out, _ = op.fused(plain, scales, shifts, 1e-6, write_residual=False)
+    assert bits_equal(out, op.reference.segments(plain, scales, shifts)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_shared_modulation_given_per_segment_is_the_concat_norm(dtype, gen):
+    """One modulation for both segments (FLUX.2's single block norms the concat) and the same rows
+    given per segment (FLUX.3's form) give the same bits: LayerNorm and the modulation are per row
+    (docs/numerics.md 3.6), here on the GPU against eager's norm of the concat."""
+    dim = 3072
+    txt = [_rows(2, 7, dim, dtype, gen) for _ in range(2)]
+    img = [_rows(2, 37, dim, dtype, gen) for _ in range(2)]
+    g_txt, _, _ = _modulation(2, dim, dtype, "strided", gen)
+    g_img, scale, shift = _modulation(2, dim, dtype, "strided", gen)
+    rows = [Segment(txt[0], txt[1], g_txt), Segment(img[0], img[1], g_img)]
+    shared = op.fused(rows, scale, shift, 1e-6, write_residual=True)
+    per_segment = op.fused(rows, (scale, scale), (shift, shift), 1e-6, write_residual=True)
+    assert shared is not None and per_segment is not None
+    ref_out, ref_stream = op.reference.segments(rows, scale, shift)  # eager: norm of the concat
+    for out, stream in (shared, per_segment):
+        assert bits_equal(out, ref_out) and bits_equal(stream, ref_stream)
+    eager_per_segment = op.reference.segments(rows, (scale, scale), (shift, shift))
+    assert bits_equal(eager_per_segment[0], ref_out)
+
+
+def test_two_segments_with_one_per_token_modulation_launch(gen):
+    """The launcher's shared modulation over two segments is the concat's: per-token rows of the
+    joint stream, the second segment's rows `split` rows in. (The entry point declines this form and
+    asks for one per segment; the launcher takes it, so the kernel's addressing is pinned here.)"""
+    dim, dtype = 3072, torch.bfloat16
+    txt = [_rows(2, 7, dim, dtype, gen) for _ in range(3)]
+    img = [_rows(2, 37, dim, dtype, gen) for _ in range(3)]
+    shift, scale, gate = _rows(2, 44, 3 * dim, dtype, gen).chunk(3, dim=-1)
+    rows = [
+        Segment(txt[0], txt[1], gate[:, :7], update2=txt[2]),
+        Segment(img[0], img[1], gate[:, 7:], update2=img[2]),
+    ]
+    out, stream = launch(rows, scale, shift, 1e-6, write_residual=True)
+    ref_out, ref_stream = op.reference.segments(rows, scale, shift)
+    assert bits_equal(stream, ref_stream) and bits_equal(out, ref_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flux3_blocks_through_defer_and_apply(dtype, gen):
+    """Three FLUX.3 mode blocks' ends, a single block's start and the output norm through the entry
+    points, each update left pending into the next norm: every site runs the kernel (one launch
+    each) and every output equals diffusers' chain."""
+    batch, tokens, text, dim = 2, 37, 7, 3072
+    hidden = _rows(batch, tokens, dim, dtype, gen)
+    eager_hidden = hidden
+    launches: list[int] = []
+    for _ in range(3):
+        attn, ff = _rows(batch, tokens, dim, dtype, gen), _rows(batch, tokens, dim, dtype, gen)
+        temb_mod, next_mod = (_rows(batch, tokens, 3 * dim, dtype, gen) for _ in range(2))
+        gate = temb_mod.chunk(3, dim=-1)[2]
+        shift, scale, _ = next_mod.chunk(3, dim=-1)
+
+        def site(hidden=hidden, attn=attn, ff=ff, gate=gate, scale=scale, shift=shift):
+            pending = op.defer(hidden, attn, gate, update2=ff)
+            assert isinstance(pending, Segment) and pending.deferred == "kernel"
+            return op.apply([pending], scale, shift, 1e-6, write_residual=True)
+
+        launches.append(fused_launches(site))
+        out, hidden = site()
+        eager_hidden = eager_hidden + gate * (attn + ff)
+        assert bits_equal(hidden, eager_hidden)
+        assert bits_equal(out, (1 + scale) * F.layer_norm(eager_hidden, (dim,), eps=1e-6) + shift)
+    assert launches == [1, 1, 1]
+    # The single block: text and image rows with their own modulation, one launch.
+    txt_rows, txt_update, txt_update2 = (_rows(batch, text, dim, dtype, gen) for _ in range(3))
+    c_shift, c_scale, c_gate = _rows(batch, text, 3 * dim, dtype, gen).chunk(3, dim=-1)
+    attn, ff = _rows(batch, tokens, dim, dtype, gen), _rows(batch, tokens, dim, dtype, gen)
+    shift, scale, gate = _rows(batch, tokens, 3 * dim, dtype, gen).chunk(3, dim=-1)
+    rows = [
+        op.defer(txt_rows, txt_update, c_gate, update2=txt_update2),
+        op.defer(hidden, attn, gate, update2=ff),
+    ]
+    assert (
+        fused_launches(lambda: op.apply(rows, (c_scale, scale), (c_shift, shift), 1e-6, write_residual=True))
+        == 1
+    )
+    joint_out, joint = op.apply(rows, (c_scale, scale), (c_shift, shift), 1e-6, write_residual=True)
+    enc, hs = txt_rows + c_gate * (txt_update + txt_update2), eager_hidden + gate * (attn + ff)
+    assert bits_equal(joint, torch.cat([enc, hs], dim=1))
+    norm_enc = (1 + c_scale) * F.layer_norm(enc, (dim,), eps=1e-6) + c_shift
+    norm_hs = (1 + scale) * F.layer_norm(hs, (dim,), eps=1e-6) + shift
+    assert bits_equal(joint_out, torch.cat([norm_enc, norm_hs], dim=1))
+    # The output norm (Flux3AdaLayerNorm: `norm(x) * (1 + scale) + shift`) on the image rows of the
+    # joint stream, a view with the joint batch stride, per-token scale and shift from chunk(2).
+    emb = _rows(batch, tokens, 2 * dim, dtype, gen)
+    scale, shift = emb.chunk(2, dim=-1)
+    image_rows = joint[:, text:]
+
+    def output_norm():
+        return op.apply([Segment(image_rows)], scale, shift, 1e-6, write_residual=False)[0]
+
+    assert fused_launches(output_norm) == 1
+    expected = F.layer_norm(image_rows, (dim,), eps=1e-6) * (1 + scale) + shift
+    assert bits_equal(output_norm(), expected)
+
+
+def test_flux2_layouts_still_take_the_flux2_kernels(gen):
+    """FLUX.2's sites after the growth: same guards' answers, same outputs (the tests above this
+    section), and the kernel instantiation without per-row modulation (its registers and code are
+    FLUX.2's): a per-token row anywhere switches the launch to the streamed, per-row addressing."""
+    dim, dtype = 6144, torch.bfloat16
+    residual, update = _rows(2, 512, dim, dtype, gen), _rows(2, 512, dim, dtype, gen)
+    gate, scale, shift = _modulation(2, dim, dtype, "strided", gen)
+    names = []
+
+    def kernels(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if "gated_resnorm_kernel" in e.name]
+
+    names = kernels(lambda: gated_resnorm(residual, update, gate, scale, shift))
+    assert len(names) == 1 and ", false, true>" in names[0], names  # <T, 12, 1, kRowMod=false, kFull>
+    per_token_gate = _rows(2, 512, dim, dtype, gen)
+    names = kernels(lambda: gated_resnorm(residual, update, per_token_gate, scale, shift))
+    assert len(names) == 1 and ", true, true>" in names[0], names

@@ -1,8 +1,9 @@
 // tvm-ffi entry point of the fused kernel: thin shape/dtype plumbing over gated_resnorm.cuh.
 // The Python layer (flux2_fused/ops/gated_resnorm/) validates every input and decides when the
 // kernel may run; the checks here only stop a misuse from touching the wrong memory. What a call
-// leaves out (the update and gate of a plain segment, the second segment, residual_out) arrives as
-// None: the arguments say what the kernel does, there are no flag bits to keep in step with them.
+// leaves out (the update, update2 and gate of a plain segment, the second update of a one-term
+// segment, the second segment and its own modulation, residual_out) arrives as None: the arguments
+// say what the kernel does, there are no flag bits to keep in step with them.
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/extra/cuda/device_guard.h>
@@ -20,107 +21,146 @@ namespace {
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
-// Streams are [B, T, D] or [T, D] (one batch); modulation rows are [D], [1, D] or [B|1, 1, D],
-// broadcast over tokens. A 2-D modulation is one row: eager broadcasts a [B, D] one per token, not
-// per batch. Any batch and row strides, unit inner stride: FLUX.2's modulation chunks are strided views.
-struct RowLayout {
-  int64_t batch_stride, row_stride;
-};
-
-RowLayout stream_layout(const TensorView& t, const char* name) {
-  TVM_FFI_ICHECK((t.ndim() == 2 || t.ndim() == 3) && t.stride(-1) == 1)
-      << name << " must be a [B, T, D] or [T, D] view with unit inner stride";
-  if (t.ndim() == 2) return {0, t.stride(0)};
-  return {t.size(0) == 1 ? 0 : t.stride(0), t.stride(1)};
-}
-
-int64_t modulation_batch_stride(const TensorView& t, int64_t dim, const char* name) {
-  TVM_FFI_ICHECK(t.ndim() >= 1 && t.ndim() <= 3 && t.size(-1) == dim && t.stride(-1) == 1 &&
-                 (t.ndim() != 2 || t.size(0) == 1) && (t.ndim() != 3 || t.size(1) == 1))
-      << name << " must be [D], [1, D] or [B, 1, D] with unit inner stride";
-  return (t.ndim() == 1 || t.size(0) == 1) ? 0 : t.stride(0);
-}
-
-// The segment's rows; update and gate are both given (a gated segment) or both None.
+// Streams are [B, T, D] or [T, D] (one batch) with unit inner stride, any batch and row strides.
+// Modulation rows are [D], [R, D] or [B|1, R, D] with R one (broadcast over tokens) or the tokens
+// of the rows they modulate (per token): eager aligns a 2-D modulation with the stream's last two
+// axes, so its rows are tokens, never batches. FLUX.2's modulation chunks are strided [B, 1, D]
+// views, FLUX.3's strided [B, T, D] ones.
 template <typename T>
-Segment<T> make_segment(const TensorView& r, const Optional<TensorView>& u, const Optional<TensorView>& g,
-                        int64_t dim, bool gated) {
-  TVM_FFI_ICHECK(u.has_value() == gated && g.has_value() == gated)
-      << "both segments need update and gate, or neither";
+Rows<T> stream_rows(const TensorView& t, int64_t batch, int64_t tokens, int64_t dim, const char* name) {
+  TVM_FFI_ICHECK((t.ndim() == 2 || t.ndim() == 3) && t.stride(-1) == 1 && t.size(-1) == dim &&
+                 t.size(-2) == tokens && (t.ndim() == 2 ? batch == 1 : t.size(0) == batch))
+      << name << " must be a [B, T, D] or [T, D] view of the launch's rows with unit inner stride";
+  const int64_t batch_stride = (t.ndim() == 2 || t.size(0) == 1) ? 0 : t.stride(0);
+  return {data<const T>(t), batch_stride, t.stride(-2)};
+}
+
+template <typename T>
+Rows<T> modulation_rows(const TensorView& t, int64_t batch, int64_t tokens, int64_t dim, const char* name) {
+  TVM_FFI_ICHECK(t.ndim() >= 1 && t.ndim() <= 3 && t.size(-1) == dim && t.stride(-1) == 1)
+      << name << " must be [D], [R, D] or [B, R, D] with unit inner stride";
+  const int64_t rows = t.ndim() == 3 ? t.size(0) : 1;
+  const int64_t per_token = t.ndim() >= 2 ? t.size(-2) : 1;
+  TVM_FFI_ICHECK((rows == 1 || rows == batch) && (per_token == 1 || per_token == tokens))
+      << name << " must have one row or one a batch, and one row or one a token";
+  return {data<const T>(t), rows == 1 ? 0 : t.stride(0), per_token == 1 ? 0 : t.stride(-2)};
+}
+
+// The segment's rows; update and gate are both given (a gated segment) or both None, and update2
+// only with them.
+template <typename T>
+Segment<T> make_segment(const TensorView& r, const Optional<TensorView>& u, const Optional<TensorView>& u2,
+                        const Optional<TensorView>& g, int64_t batch, int64_t tokens, int64_t dim, int terms) {
+  TVM_FFI_ICHECK(u.has_value() == (terms > 0) && g.has_value() == (terms > 0) && u2.has_value() == (terms == 2))
+      << "both segments need update and gate, or neither, and update2 in both or neither";
   Segment<T> s{};
-  const RowLayout rl = stream_layout(r, "residual");
-  s.residual = data<const T>(r);
-  s.residual_batch_stride = rl.batch_stride;
-  s.residual_row_stride = rl.row_stride;
-  if (gated) {
-    const RowLayout ul = stream_layout(*u, "update");
-    s.update = data<const T>(*u);
-    s.update_batch_stride = ul.batch_stride;
-    s.update_row_stride = ul.row_stride;
-    s.gate = data<const T>(*g);
-    s.gate_batch_stride = modulation_batch_stride(*g, dim, "gate");
+  s.residual = stream_rows<T>(r, batch, tokens, dim, "residual");
+  if (terms > 0) {
+    s.update = stream_rows<T>(*u, batch, tokens, dim, "update");
+    s.gate = modulation_rows<T>(*g, batch, tokens, dim, "gate");
   }
+  if (terms == 2) s.update2 = stream_rows<T>(*u2, batch, tokens, dim, "update2");
   return s;
 }
 
-template <typename T, int kVecs, bool kGated>
-void launch_gated(const Params<T>& p, cudaStream_t stream) {
+template <typename T, int kVecs, int kTerms, bool kRowMod>
+void launch_kernel(const Params<T>& p, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>(p.rows);
   if (p.dim == 4 * kThreads * kVecs) {
-    gated_resnorm_kernel<T, kVecs, kGated, true><<<grid, kThreads, 0, stream>>>(p);
+    gated_resnorm_kernel<T, kVecs, kTerms, kRowMod, true><<<grid, kThreads, 0, stream>>>(p);
   } else {
-    gated_resnorm_kernel<T, kVecs, kGated, false><<<grid, kThreads, 0, stream>>>(p);
+    gated_resnorm_kernel<T, kVecs, kTerms, kRowMod, false><<<grid, kThreads, 0, stream>>>(p);
   }
 }
 
+template <typename T, int kVecs, bool kRowMod>
+void launch_terms(const Params<T>& p, int terms, cudaStream_t stream) {
+  if (terms == 0) return launch_kernel<T, kVecs, 0, kRowMod>(p, stream);
+  if (terms == 1) return launch_kernel<T, kVecs, 1, kRowMod>(p, stream);
+  return launch_kernel<T, kVecs, 2, kRowMod>(p, stream);
+}
+
 template <typename T, int kVecs>
-void launch_vecs(const Params<T>& p, bool gated, cudaStream_t stream) {
-  if (gated) {
-    launch_gated<T, kVecs, true>(p, stream);
+void launch_vecs(const Params<T>& p, int terms, bool row_mod, cudaStream_t stream) {
+  if (row_mod) {
+    launch_terms<T, kVecs, true>(p, terms, stream);
   } else {
-    launch_gated<T, kVecs, false>(p, stream);
+    launch_terms<T, kVecs, false>(p, terms, stream);
   }
 }
 
 // Smallest instantiated per-thread vector count that covers D / 4 vectors over 128 threads.
 template <typename T>
-void launch(const Params<T>& p, bool gated, cudaStream_t stream) {
+void launch(const Params<T>& p, int terms, bool row_mod, cudaStream_t stream) {
   const int64_t need = (p.dim / 4 + kThreads - 1) / kThreads;
-  if (need <= 1) return launch_vecs<T, 1>(p, gated, stream);
-  if (need <= 2) return launch_vecs<T, 2>(p, gated, stream);
-  if (need <= 3) return launch_vecs<T, 3>(p, gated, stream);
-  if (need <= 4) return launch_vecs<T, 4>(p, gated, stream);
-  if (need <= 6) return launch_vecs<T, 6>(p, gated, stream);
-  if (need <= 8) return launch_vecs<T, 8>(p, gated, stream);
-  if (need <= 12) return launch_vecs<T, 12>(p, gated, stream);
-  if (need <= 16) return launch_vecs<T, 16>(p, gated, stream);
-  if (need <= 24) return launch_vecs<T, 24>(p, gated, stream);
-  if (need <= 32) return launch_vecs<T, 32>(p, gated, stream);
+  if (need <= 1) return launch_vecs<T, 1>(p, terms, row_mod, stream);
+  if (need <= 2) return launch_vecs<T, 2>(p, terms, row_mod, stream);
+  if (need <= 3) return launch_vecs<T, 3>(p, terms, row_mod, stream);
+  if (need <= 4) return launch_vecs<T, 4>(p, terms, row_mod, stream);
+  if (need <= 6) return launch_vecs<T, 6>(p, terms, row_mod, stream);
+  if (need <= 8) return launch_vecs<T, 8>(p, terms, row_mod, stream);
+  if (need <= 12) return launch_vecs<T, 12>(p, terms, row_mod, stream);
+  if (need <= 16) return launch_vecs<T, 16>(p, terms, row_mod, stream);
+  if (need <= 24) return launch_vecs<T, 24>(p, terms, row_mod, stream);
+  if (need <= 32) return launch_vecs<T, 32>(p, terms, row_mod, stream);
   TVM_FFI_THROW(ValueError) << "hidden size " << p.dim << " exceeds the kernel's maximum of 16384";
 }
 
+// The launch's arguments: the outputs, then the modulation (scale and shift of the first segment, or
+// of every row; scale1 and shift1 the second segment's own, None where it shares the first's), then
+// each segment's residual, update, update2 and gate (None where absent), then eps.
 template <typename T>
 void run(TensorView out, Optional<TensorView> residual_out, TensorView scale, TensorView shift,
-         TensorView r0, Optional<TensorView> u0, Optional<TensorView> g0, Optional<TensorView> r1,
-         Optional<TensorView> u1, Optional<TensorView> g1, double eps) {
-  const bool gated = u0.has_value();
+         Optional<TensorView> scale1, Optional<TensorView> shift1, TensorView r0, Optional<TensorView> u0,
+         Optional<TensorView> v0, Optional<TensorView> g0, Optional<TensorView> r1, Optional<TensorView> u1,
+         Optional<TensorView> v1, Optional<TensorView> g1, double eps) {
+  const int terms = u0.has_value() ? (v0.has_value() ? 2 : 1) : 0;
   TVM_FFI_ICHECK(out.ndim() == 2 || out.ndim() == 3) << "out must be [B, T, D] or [T, D]";
   const int64_t dim = out.size(-1);
   const int64_t tokens = out.size(-2);
   const int64_t batch = out.ndim() == 3 ? out.size(0) : 1;
   TVM_FFI_ICHECK(dim % 4 == 0 && dim > 0) << "D must be a positive multiple of 4";
+  if (residual_out.has_value()) {
+    const TensorView& ro = *residual_out;
+    TVM_FFI_ICHECK((ro.ndim() == 2 || ro.ndim() == 3) && ro.size(-1) == dim && ro.size(-2) == tokens &&
+                   (ro.ndim() == 2 || ro.size(0) == batch))
+        << "residual_out must have out's rows";
+  }
+  TVM_FFI_ICHECK(scale1.has_value() == shift1.has_value() && (r1.has_value() || !scale1.has_value()))
+      << "the second segment's scale and shift come together, and only with a second segment";
+  const int64_t split = r1.has_value() ? r0.size(-2) : tokens;
 
   Params<T> p{};
-  p.seg[0] = make_segment<T>(r0, u0, g0, dim, gated);
-  p.seg[1] = r1.has_value() ? make_segment<T>(*r1, u1, g1, dim, gated) : p.seg[0];
-  p.split = r1.has_value() ? r0.size(-2) : tokens;
+  p.seg[0] = make_segment<T>(r0, u0, v0, g0, batch, split, dim, terms);
+  if (r1.has_value()) {
+    p.seg[1] = make_segment<T>(*r1, u1, v1, g1, batch, tokens - split, dim, terms);
+  } else {
+    TVM_FFI_ICHECK(!u1.has_value() && !v1.has_value() && !g1.has_value()) << "no second segment's residual";
+    p.seg[1] = p.seg[0];
+  }
+  if (scale1.has_value()) {  // per-segment modulation: each indexed by its segment's tokens
+    p.seg[0].scale = modulation_rows<T>(scale, batch, split, dim, "scale");
+    p.seg[0].shift = modulation_rows<T>(shift, batch, split, dim, "shift");
+    p.seg[1].scale = modulation_rows<T>(*scale1, batch, tokens - split, dim, "scale1");
+    p.seg[1].shift = modulation_rows<T>(*shift1, batch, tokens - split, dim, "shift1");
+  } else {  // one modulation for the launch's rows: the second segment's start `split` rows in
+    p.seg[0].scale = p.seg[1].scale = modulation_rows<T>(scale, batch, tokens, dim, "scale");
+    p.seg[0].shift = p.seg[1].shift = modulation_rows<T>(shift, batch, tokens, dim, "shift");
+    if (r1.has_value()) {
+      p.seg[1].scale.data += split * p.seg[1].scale.row_stride;
+      p.seg[1].shift.data += split * p.seg[1].shift.row_stride;
+    }
+  }
+  // Modulation rows that differ within a batch (per token anywhere, or each segment its own scale and
+  // shift): streamed loads, and addresses from each row's segment and token.
+  bool row_mod = scale1.has_value();
+  for (const Segment<T>& s : p.seg) {
+    row_mod = row_mod || s.gate.row_stride != 0 || s.scale.row_stride != 0 || s.shift.row_stride != 0;
+  }
+  p.split = split;
   p.rows_per_batch = tokens;
   p.out = data<T>(out);
   p.residual_out = residual_out.has_value() ? data<T>(*residual_out) : nullptr;
-  p.scale = data<const T>(scale);
-  p.shift = data<const T>(shift);
-  p.scale_batch_stride = modulation_batch_stride(scale, dim, "scale");
-  p.shift_batch_stride = modulation_batch_stride(shift, dim, "shift");
   p.dim = static_cast<int32_t>(dim);
   p.eps = static_cast<float>(eps);
 
@@ -129,26 +169,27 @@ void run(TensorView out, Optional<TensorView> residual_out, TensorView scale, Te
   TVM_FFI_ICHECK(p.rows < (int64_t{1} << 31)) << "too many rows for one launch";
   // Launch on the tensors' device, whichever device is current, on that device's current stream.
   const DLDevice dev = out.device();
-  for (const Optional<TensorView>& t : {Optional<TensorView>(scale), Optional<TensorView>(shift),
-                                          Optional<TensorView>(r0), residual_out, u0, g0, r1, u1, g1}) {
+  for (const Optional<TensorView>& t : {Optional<TensorView>(scale), Optional<TensorView>(shift), scale1, shift1,
+                                          Optional<TensorView>(r0), residual_out, u0, v0, g0, r1, u1, v1, g1}) {
     if (t.has_value()) check_device(*t, dev);
   }
   tvm::ffi::CUDADeviceGuard device_guard(dev.device_id);
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
-  launch<T>(p, gated, stream);
+  launch<T>(p, terms, row_mod, stream);
   const cudaError_t err = cudaGetLastError();
   TVM_FFI_ICHECK(err == cudaSuccess) << "gated_resnorm launch failed: " << cudaGetErrorString(err);
 }
 
 void gated_resnorm(TensorView out, Optional<TensorView> residual_out, TensorView scale, TensorView shift,
-                   TensorView r0, Optional<TensorView> u0, Optional<TensorView> g0,
-                   Optional<TensorView> r1, Optional<TensorView> u1, Optional<TensorView> g1,
-                   double eps) {
+                   Optional<TensorView> scale1, Optional<TensorView> shift1, TensorView r0,
+                   Optional<TensorView> u0, Optional<TensorView> v0, Optional<TensorView> g0,
+                   Optional<TensorView> r1, Optional<TensorView> u1, Optional<TensorView> v1,
+                   Optional<TensorView> g1, double eps) {
   const DLDataType dt = out.dtype();
   if (dt.code == kDLBfloat && dt.bits == 16) {
-    run<__nv_bfloat16>(out, residual_out, scale, shift, r0, u0, g0, r1, u1, g1, eps);
+    run<__nv_bfloat16>(out, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1, eps);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
-    run<__half>(out, residual_out, scale, shift, r0, u0, g0, r1, u1, g1, eps);
+    run<__half>(out, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1, eps);
   } else {
     TVM_FFI_THROW(TypeError) << "gated_resnorm supports bfloat16 and float16 only";
   }

@@ -2,6 +2,7 @@
 //
 // Eager computes, per row of D elements (docs/numerics.md derives it):
 //   y   = T(T(gate * update) + residual)              two aten elementwise ops, fp32 math, T roundings
+//   y   = T(T(gate * T(update + update2)) + residual) FLUX.3's two-term update: three ops (numerics 3.6)
 //   n   = layer_norm(y)                               aten's vectorized_layer_norm_kernel<T, float>
 //   out = T(T(n * T(scale + 1)) + shift)              three aten elementwise ops
 // and this kernel reproduces each rounding and aten's Welford reduction order exactly: 128 "aten
@@ -14,8 +15,11 @@
 // kernel table has the measurements).
 //
 // One block of 128 threads handles one row. The row's elements live in registers between the
-// reduction and the output, so the kernel moves exactly: read residual + update, write residual_out
-// (optional) + out; gate/scale/shift rows are L2-resident broadcasts.
+// reduction and the output, so the kernel moves exactly: read residual + update (+ update2), write
+// residual_out (optional) + out. Modulation rows (gate, scale, shift) are either one row a batch or
+// one for all, broadcast over tokens (FLUX.1/FLUX.2: L2-resident, read through the read-only cache),
+// or one row per token (FLUX.3: read once, streamed like the residual). Which row a token reads is
+// only an address: the arithmetic of a row never depends on where its modulation came from.
 #pragma once
 
 #include "common.cuh"
@@ -57,6 +61,17 @@ template <typename T>
 __device__ __forceinline__ Packed4<T> load_cached(const uint2* base, int j) {
   const uint2 raw = __ldg(base + j * kThreads);
   return *reinterpret_cast<const Packed4<T>*>(&raw);
+}
+
+// A modulation row: one shared by every row of a batch (broadcast over tokens) stays cached; where
+// rows differ (kRowMod: per token, read by a single block once) it is streamed like the residual.
+template <typename T, bool kRowMod>
+__device__ __forceinline__ Packed4<T> load_modulation(const uint2* base, int j) {
+  if constexpr (kRowMod) {
+    return load_stream<T>(base, j);
+  } else {
+    return load_cached<T>(base, j);
+  }
 }
 
 template <typename T>
@@ -110,16 +125,35 @@ __device__ __forceinline__ Welford warp_reduce(Welford w) {
 }
 
 // ---- kernel parameters ----
+// Rows of a [B, T, D] / [T, D] view (unit inner stride): row (b, t) starts at data + b * batch_stride +
+// t * row_stride. A stride is 0 along an axis the rows are broadcast over: batch_stride 0 for one
+// batch or rows shared by every batch, row_stride 0 for a modulation row shared by every token.
+template <typename T>
+struct Rows {
+  const T* data;
+  int64_t batch_stride, row_stride;
+  __device__ __forceinline__ const T* at(int64_t batch, int64_t tok) const {
+    return data + batch * batch_stride + tok * row_stride;
+  }
+  // A row broadcast over tokens (row_stride is 0 there: the per-token term is not even computed).
+  __device__ __forceinline__ const T* at(int64_t batch) const { return data + batch * batch_stride; }
+};
+
 // Input rows come from up to two segments (rows [0, split) of each batch from seg[0], the rest from
-// seg[1]), so a stream concat can be materialized straight into its buffer in the same launch.
+// seg[1]), so a stream concat can be materialized straight into its buffer in the same launch. Each
+// segment has its own modulation rows, indexed by the segment's token: a modulation shared by both
+// segments is passed to both, the second one's pointer advanced by `split` rows where it is per token.
+// Without kRowMod (one modulation row a batch for every row of the launch) scale and shift are read
+// from seg[0], straight from the kernel parameters: the address then needs no segment, which keeps
+// the registers (and the code) of FLUX.1/FLUX.2's launches as they were.
 template <typename T>
 struct Segment {
-  const T* residual;     // [B, rows, D], stride(-1) == 1
-  const T* update;       // same shape as residual (unused without the gated add)
-  const T* gate;         // one row of D a batch ([B, 1, D]) or one for all, broadcast over tokens
-  int64_t residual_batch_stride, residual_row_stride;
-  int64_t update_batch_stride, update_row_stride;
-  int64_t gate_batch_stride;  // 0 when broadcast over the batch
+  Rows<T> residual;  // [B, rows, D]
+  Rows<T> update;    // same shape as residual (unused without the gated add)
+  Rows<T> update2;   // same shape as residual (unused without the two-term update)
+  Rows<T> gate;      // modulation rows: one a batch or one for all, one a token or one for all tokens
+  Rows<T> scale;
+  Rows<T> shift;
 };
 
 template <typename T>
@@ -130,14 +164,11 @@ struct Params {
   int64_t rows_per_batch;  // T (tokens)
   T* out;                  // [B, T, D] contiguous
   T* residual_out;         // [B, T, D] contiguous, or nullptr to skip writing it
-  const T* scale;          // like gate: a row of D a batch, or one for all
-  const T* shift;
-  int64_t scale_batch_stride, shift_batch_stride;
-  int32_t dim;    // D, a multiple of 4
+  int32_t dim;             // D, a multiple of 4
   float eps;
 };
 
-// Where one row's inputs live: its batch, its token within the batch and its segment.
+// Where one row's inputs live: its batch, its token within its segment, and the segment.
 template <typename T>
 struct RowRef {
   int64_t batch, seg_tok;
@@ -151,56 +182,74 @@ struct RowRef {
     seg = &p.seg[second ? 1 : 0];
     seg_tok = second ? tok - p.split : tok;
   }
-  __device__ __forceinline__ const T* residual() const {
-    return seg->residual + batch * seg->residual_batch_stride + seg_tok * seg->residual_row_stride;
-  }
-  __device__ __forceinline__ const T* update() const {
-    return seg->update + batch * seg->update_batch_stride + seg_tok * seg->update_row_stride;
+  __device__ __forceinline__ const T* stream(const Rows<T>& rows) const { return rows.at(batch, seg_tok); }
+  // kRowMod: modulation rows differ within a batch (per token, or per segment; the host sets it);
+  // otherwise every row_stride is 0 and the address is computed exactly as for FLUX.2's rows.
+  template <bool kRowMod>
+  __device__ __forceinline__ const T* modulation(const Rows<T>& rows) const {
+    if constexpr (kRowMod) {
+      return rows.at(batch, seg_tok);
+    } else {
+      return rows.at(batch);
+    }
   }
 };
 
 // One block per row. All of the row's residual and update loads (and, up to 12 vectors a thread, the
 // gate's) go out at once, straight into registers; the scale and shift rows are read after the
-// reduction, from cache (every row of a batch reads the same ones). In measurements (the README lists
-// them) this beat a persistent grid prefetching the next row (registers or cp.async into shared memory), staging the
+// reduction (from cache where every row of a batch reads the same ones). In measurements (the README
+// lists them) this beat a persistent grid prefetching the next row (registers or cp.async into shared memory), staging the
 // modulation through cp.async, L1 prefetches of the modulation rows, and bulk copies (TMA) of the
 // streams into shared memory for more rows in flight per SM (notes in the README).
-// kGated: y = residual + gate * update (false: y = residual, the plain modulated LayerNorm).
+// kTerms: 0 for y = residual (the plain modulated LayerNorm), 1 for y = residual + gate * update, 2
+// for y = residual + gate * (update + update2) (FLUX.3's blocks), each op rounded to T as eager does.
+// kRowMod: modulation rows differ within a batch: per token, or per segment (streamed loads, an
+// address from the row's segment and token).
 // kVecs: the most 4-element vectors one thread owns, ceil(D / 512) rounded up to an instantiated size.
 // kFull: D == 512 kVecs, so every thread owns exactly kVecs vectors; the compiler then drops every
 // bounds predicate and folds the Welford counts to constants.
-template <typename T, int kVecs, bool kGated, bool kFull>
+template <typename T, int kVecs, int kTerms, bool kRowMod, bool kFull>
 __global__ void __launch_bounds__(kThreads) gated_resnorm_kernel(const Params<T> p) {
   using V = Elem<T>;
-  // Past 12 vectors a thread, holding the gate too costs more occupancy than its early load gains.
-  constexpr bool kGateUpfront = kVecs <= 12;
+  static_assert(kTerms >= 0 && kTerms <= 2, "kTerms is 0 (plain), 1 or 2 (update + update2)");
+  // Past 12 vectors a thread (8 with a second update), holding the gate too costs more occupancy than
+  // its early load gains.
+  constexpr bool kGateUpfront = kVecs <= (kTerms == 2 ? 8 : 12);
   const int tid = threadIdx.x;
   const int64_t row = blockIdx.x;
   // This thread owns vectors tid + 128 j for j < owned (aten's per-thread order and tail counts).
   const int owned = kFull ? kVecs : (p.dim / 4 - tid + kThreads - 1) / kThreads;
   const RowRef<T> ref(p, row);
 
-  // 1. y = T(residual + T(gate * update)) (or y = residual); write residual_out.
+  // 1. y = T(residual + T(gate * update)), or with two updates
+  //    y = T(residual + T(gate * T(update + update2))), or y = residual; write residual_out.
   Packed4<T> y[kVecs];
-  const uint2* residual = thread_base(ref.residual());
-  if constexpr (kGated) {
-    const uint2* update = thread_base(ref.update());
-    const uint2* gate = thread_base(ref.seg->gate + ref.batch * ref.seg->gate_batch_stride);
-    Packed4<T> r[kVecs], u[kVecs], g[kVecs];
+  const uint2* residual = thread_base(ref.stream(ref.seg->residual));
+  if constexpr (kTerms > 0) {
+    const uint2* update = thread_base(ref.stream(ref.seg->update));
+    const uint2* update2 = kTerms == 2 ? thread_base(ref.stream(ref.seg->update2)) : nullptr;
+    const uint2* gate = thread_base(ref.template modulation<kRowMod>(ref.seg->gate));
+    Packed4<T> r[kVecs], u[kVecs], u2[kTerms == 2 ? kVecs : 1], g[kVecs];
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       if (j < owned) {
         r[j] = load_stream<T>(residual, j);
         u[j] = load_stream<T>(update, j);
-        if constexpr (kGateUpfront) g[j] = load_cached<T>(gate, j);
+        if constexpr (kTerms == 2) u2[j] = load_stream<T>(update2, j);
+        if constexpr (kGateUpfront) g[j] = load_modulation<T, kRowMod>(gate, j);
       }
     }
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       if (j < owned) {
-        const Packed4<T> gj = kGateUpfront ? g[j] : load_cached<T>(gate, j);
+        const Packed4<T> gj = kGateUpfront ? g[j] : load_modulation<T, kRowMod>(gate, j);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) y[j].p[h] = V::add(r[j].p[h], V::mul(gj.p[h], u[j].p[h]));
+        for (int h = 0; h < 2; ++h) {
+          // update + update2 (eager's `attn_output + ff_output`) rounds to T before the gate reads it.
+          typename V::Pair sum = u[j].p[h];
+          if constexpr (kTerms == 2) sum = V::add(u[j].p[h], u2[j].p[h]);
+          y[j].p[h] = V::add(r[j].p[h], V::mul(gj.p[h], sum));
+        }
       }
     }
     if (p.residual_out != nullptr) {
@@ -240,14 +289,15 @@ __global__ void __launch_bounds__(kThreads) gated_resnorm_kernel(const Params<T>
   const float rstd = rsqrtf(__fadd_rn(var, p.eps));
 
   // 4. n = T(rstd * (y - mean)); out = T(T(n * T(scale + 1)) + shift).
-  const uint2* scale = thread_base(p.scale + ref.batch * p.scale_batch_stride);
-  const uint2* shift = thread_base(p.shift + ref.batch * p.shift_batch_stride);
+  const Segment<T>& mod = kRowMod ? *ref.seg : p.seg[0];
+  const uint2* scale = thread_base(ref.template modulation<kRowMod>(mod.scale));
+  const uint2* shift = thread_base(ref.template modulation<kRowMod>(mod.shift));
   uint2* out = const_cast<uint2*>(thread_base(p.out + row * p.dim));
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     if (j < owned) {
-      const Packed4<T> sc = load_cached<T>(scale, j);
-      const Packed4<T> sh = load_cached<T>(shift, j);
+      const Packed4<T> sc = load_modulation<T, kRowMod>(scale, j);
+      const Packed4<T> sh = load_modulation<T, kRowMod>(shift, j);
       Packed4<T> o;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {

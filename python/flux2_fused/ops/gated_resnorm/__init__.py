@@ -4,11 +4,17 @@ The entry points for models are `defer` and `apply`, and they make the site's wh
 torch.compile trace the site becomes the `torch.ops.flux2_fused` operators of `library` (which decide
 when the graph runs); in eager mode the fused kernel runs where the guards prove it exact, else the
 eager chain of `reference`, so every caller gets eager's bits by one decision written once. `defer`
-leaves `residual + gate * update` pending as a `Segment` that carries its verdict, so the `apply` that
-consumes it checks only what the verdict did not cover (the modulation of the norm). `fused` is the
-kernel decision without the fallback (None where it declines), and the decline reasons say why a
-call is declined. `gated_resnorm` and `modnorm` are the validated ops for direct use: they raise
-TypeError / ValueError for what the kernel cannot take instead of falling back.
+leaves `residual + gate * update` (FLUX.3: `residual + gate * (update + update2)`) pending as a
+`Segment` that carries its verdict, so the `apply` that consumes it checks only what the verdict did
+not cover (the modulation of the norm). `fused` is the kernel decision without the fallback (None
+where it declines), and the decline reasons say why a call is declined. `gated_resnorm` and
+`modnorm` are the validated ops for direct use: they raise TypeError / ValueError for what the kernel
+cannot take instead of falling back.
+
+Modulation rows (gate, scale, shift) are one row for all tokens (FLUX.1/FLUX.2: [D], [1, D],
+[B|1, 1, D]) or one per token (FLUX.3: [T, D], [B|1, T, D], e.g. chunks of a [B, T, 3D] tensor). A
+site over two segments takes one scale and shift for all its rows, or (FLUX.3's single block) a
+tuple with one per segment: each segment is then normalized and modulated with its own rows.
 """
 
 from __future__ import annotations
@@ -30,78 +36,138 @@ from .reference import Segment
 from .selfcheck import OP, Config, self_check
 
 Result = tuple[torch.Tensor, torch.Tensor | None]
+Modulation = reference.Modulation  # one tensor for all rows, or a tuple with one per segment
 
 
-def _rows_reason(rows: Sequence[Segment], write_residual: bool) -> str | None:
-    """What one launch cannot do with these segments, whatever their tensors."""
+def _rows_reason(
+    rows: Sequence[Segment], scale: Modulation, shift: Modulation, write_residual: bool
+) -> str | None:
+    """What one launch cannot do with these segments and this form of modulation, whatever their
+    tensors. (The per-call path of every site: FLUX.1/FLUX.2's one segment pays two type checks.)"""
     if len(rows) not in (1, 2):
         return f"a launch takes one or two segments, got {len(rows)}"
+    per_segment = type(scale) is tuple or type(shift) is tuple
+    if per_segment:
+        if not (type(scale) is tuple and type(shift) is tuple):
+            return "scale and shift must both be tensors or both be tuples with one tensor per segment"
+        if len(scale) != len(rows) or len(shift) != len(rows):
+            return (
+                f"per-segment scale and shift need one tensor per segment ({len(rows)}), "
+                f"got {len(scale)} and {len(shift)}"
+            )
     if len(rows) == 2:
         first, second = rows
         if first.gated != second.gated:
             return "the two segments mix gated and plain rows"
+        if (first.update2 is None) != (second.update2 is None):
+            return "the two segments mix one- and two-term updates"
         if not first.gated and write_residual:
             return "the kernel writes no concat of plain rows"
-        if first.residual.dim() != 3 or second.residual.dim() != 3:
+        shape, other = first.residual.shape, second.residual.shape
+        if len(shape) != 3 or len(other) != 3:
             return "segments to concatenate must be [B, T, D]"
-        if first.residual.shape[0] != second.residual.shape[0]:
+        if shape[0] != other[0]:
             return "the two segments differ in batch"
+        if shape[1] == other[1] and not per_segment:
+            # Eager modulates the concat, so per-token rows shared by the segments are rows of the
+            # concat. Each segment's guard checks the modulation against its own rows, which declines
+            # such rows unless both segments have exactly as many tokens as they have rows.
+            for name, t in (("scale", scale), ("shift", shift)):
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] != 1:
+                    return f"a per-token {name} shared by two segments (pass one per segment)"
     return None
 
 
 def _segment_reason(segment: Segment, scale: torch.Tensor, shift: torch.Tensor) -> str | None:
+    if segment.update2 is not None:
+        return gated_resnorm_decline_reason(
+            segment.residual, segment.update, segment.gate, scale, shift, update2=segment.update2
+        )
     if segment.gated:
         return gated_resnorm_decline_reason(segment.residual, segment.update, segment.gate, scale, shift)
     return modnorm_decline_reason(segment.residual, scale, shift)
 
 
+def _accepted(segment: Segment, scale: torch.Tensor, shift: torch.Tensor) -> bool:
+    """The guard for one segment of a launch, with its modulation."""
+    if segment.update2 is None:
+        if segment.deferred == "kernel" or segment.update is None:
+            # A segment deferred with the kernel's verdict has its residual, update and gate accepted
+            # already: the plain guard adds what the verdict could not see (scale and shift against
+            # the residual, the runtime state), and together they are the gated guard.
+            return guards.plain(segment.residual, scale, shift)
+        return guards.gated(segment.residual, segment.update, segment.gate, scale, shift)
+    if segment.deferred == "kernel" and segment.update is not None:
+        return guards.plain(segment.residual, scale, shift)
+    return guards.gated2(segment.residual, segment.update, segment.update2, segment.gate, scale, shift)
+
+
 def defer(
-    residual: torch.Tensor, update: torch.Tensor, gate: torch.Tensor, *, enabled: bool = True
+    residual: torch.Tensor,
+    update: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    update2: torch.Tensor | None = None,
+    enabled: bool = True,
 ) -> Segment | torch.Tensor:
-    """`residual + gate * update`, left pending for the next `apply` where that can consume it: a
+    """`residual + gate * update` (with update2: `residual + gate * (update + update2)`, each op
+    rounded as eager rounds it), left pending for the next `apply` where that can consume it: a
     `Segment` carrying the verdict (under a torch.compile trace, or where the guard accepts), else
     the eager sum. `enabled=False` (a model's switch) always computes the sum."""
     if enabled and torch.compiler.is_compiling():
-        return Segment(residual, update, gate, deferred="traced")
-    if enabled and guards.defer(residual, update, gate):
-        return Segment(residual, update, gate, deferred="kernel")
-    return Segment(residual, update, gate).materialize()
+        return Segment(residual, update, gate, "traced", update2=update2)
+    if update2 is None:
+        if enabled and guards.defer(residual, update, gate):
+            return Segment(residual, update, gate, "kernel")
+        return Segment(residual, update, gate).materialize()
+    if enabled and guards.defer2(residual, update, update2, gate):
+        return Segment(residual, update, gate, "kernel", update2=update2)
+    return Segment(residual, update, gate, update2=update2).materialize()
 
 
 def decline_reason(
-    rows: Sequence[Segment], scale: torch.Tensor, shift: torch.Tensor, *, write_residual: bool = True
+    rows: Sequence[Segment], scale: Modulation, shift: Modulation, *, write_residual: bool = True
 ) -> str | None:
     """Why `fused(rows, ...)` declines, or None when it launches the kernel."""
-    reason = _rows_reason(rows, write_residual)
-    for segment in rows:
-        reason = reason or _segment_reason(segment, scale, shift)
+    reason = _rows_reason(rows, scale, shift, write_residual)
+    if reason is not None:
+        return reason
+    per_segment = type(scale) is tuple
+    for i, segment in enumerate(rows):
+        sc, sh = (scale[i], shift[i]) if per_segment else (scale, shift)
+        reason = reason or _segment_reason(segment, sc, sh)
     return reason
 
 
 def fused(
-    rows: Sequence[Segment], scale: torch.Tensor, shift: torch.Tensor, eps: float, *, write_residual: bool
+    rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float, *, write_residual: bool
 ) -> Result | None:
     """(out, stream) from one kernel launch, or None where the guards decline.
 
-    rows: one segment, or two whose rows are concatenated along tokens. stream is the site's rows as
-    one tensor when write_residual (a single plain segment: its residual itself), else None.
+    rows: one segment, or two whose rows are concatenated along tokens. scale and shift: one tensor
+    for every row, or a tuple with one per segment. stream is the site's rows as one tensor when
+    write_residual (a single plain segment: its residual itself), else None.
     """
     try:
-        if _rows_reason(rows, write_residual) is not None:
+        if _rows_reason(rows, scale, shift, write_residual) is not None:
             return None
     except Exception:  # not segments of tensors: declined, as the guards decline garbage
         return None
-    for segment in rows:
-        if segment.gated and segment.deferred != "kernel":
-            accepted = guards.gated(segment.residual, segment.update, segment.gate, scale, shift)
-        else:
-            # A segment deferred with the kernel's verdict has its residual, update and gate accepted
-            # already: the plain guard adds what the verdict could not see (scale and shift against
-            # the residual, the runtime state), and together they are the gated guard.
-            accepted = guards.plain(segment.residual, scale, shift)
-        if not accepted:
+    if type(scale) is tuple:
+        if not all(map(_accepted, rows, scale, shift)):
             return None
-    if not rows[0].gated:
+    else:
+        for segment in rows:
+            # `_accepted`, its one-update branch inlined: FLUX.1/FLUX.2's sites pay no extra call.
+            if segment.update2 is not None:
+                accepted = _accepted(segment, scale, shift)
+            elif segment.deferred == "kernel" or segment.update is None:
+                accepted = guards.plain(segment.residual, scale, shift)
+            else:
+                accepted = guards.gated(segment.residual, segment.update, segment.gate, scale, shift)
+            if not accepted:
+                return None
+    if rows[0].update is None:
         out = launch(rows, scale, shift, eps, write_residual=False)[0]
         return out, rows[0].residual if write_residual else None
     return launch(rows, scale, shift, eps, write_residual=write_residual)
@@ -109,8 +175,8 @@ def fused(
 
 def apply(
     rows: Sequence[Segment],
-    scale: torch.Tensor,
-    shift: torch.Tensor,
+    scale: Modulation,
+    shift: Modulation,
     eps: float,
     *,
     write_residual: bool,
@@ -118,6 +184,8 @@ def apply(
 ) -> Result:
     """(out, stream): the site's one decision. Under a torch.compile trace the `library` operators;
     else `fused` where it accepts, else the eager chain (`reference.segments`), bit for bit the same.
+    scale and shift: one tensor for every row, or a tuple with one per segment (FLUX.3's single
+    block: each segment normalized and modulated with its own rows, the outputs concatenated).
     stream is None where the kernel was told not to write it. `enabled=False` (a model's switch)
     always runs the eager chain."""
     if enabled and torch.compiler.is_compiling():
@@ -126,14 +194,26 @@ def apply(
     return result if result is not None else reference.segments(rows, scale, shift, eps)
 
 
-def _traced(rows: Sequence[Segment], scale: torch.Tensor, shift: torch.Tensor, eps: float) -> Result:
+def _traced(rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float) -> Result:
     """(out, stream) through the operators, which decide when the compiled graph runs: one gated
-    segment is the gated operator, anything else its stream (concatenated) through the plain one."""
+    segment is the gated operator, a concat with one modulation its stream (concatenated) through the
+    plain one, and per-segment modulation each segment through its own operator, the outputs
+    concatenated (as eager concatenates FLUX.3's normalized segments)."""
     from . import library
 
+    if reference.per_segment(rows, scale, shift):
+        results = [
+            _traced([segment], sc, sh, eps) for segment, sc, sh in zip(rows, scale, shift, strict=True)
+        ]
+        if len(results) == 1:
+            return results[0]
+        return torch.cat([out for out, _ in results], dim=1), torch.cat([s for _, s in results], dim=1)
     if len(rows) == 1 and rows[0].gated:
         segment = rows[0]
-        return library.gated_resnorm(segment.residual, segment.update, segment.gate, scale, shift, eps)
+        args = (segment.residual, segment.update, segment.gate, scale, shift, eps)
+        if segment.update2 is None:
+            return library.gated_resnorm(*args)
+        return library.gated_resnorm(*args, segment.update2)
     stream = reference.stream(rows)
     return library.modnorm(stream, scale, shift, eps), stream
 
@@ -145,14 +225,21 @@ def gated_resnorm(
     scale: torch.Tensor,
     shift: torch.Tensor,
     eps: float = 1e-6,
+    *,
+    update2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel on one gated site, without the self-check: fresh (out, residual_out).
+    """The kernel on one gated site, without the self-check: fresh (out, residual_out), with update2
+    the two-term update `residual + gate * (update + update2)`.
 
     Inputs are never modified. Unsupported inputs raise TypeError (types, dtypes, devices) or
     ValueError (shapes, strides, alignment, sizes) naming the problem.
     """
-    guards.gated.validate(residual, update, gate, scale, shift)
-    out, residual_out = launch([Segment(residual, update, gate)], scale, shift, eps, write_residual=True)
+    if update2 is None:
+        guards.gated.validate(residual, update, gate, scale, shift)
+    else:
+        guards.gated2.validate(residual, update, update2, gate, scale, shift)
+    segment = Segment(residual, update, gate, update2=update2)
+    out, residual_out = launch([segment], scale, shift, eps, write_residual=True)
     assert residual_out is not None
     return out, residual_out
 
@@ -173,6 +260,7 @@ __all__ = [
     "OP",
     "SUPPORTED_DTYPES",
     "Config",
+    "Modulation",
     "Segment",
     "apply",
     "decline_reason",

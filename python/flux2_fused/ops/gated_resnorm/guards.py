@@ -1,9 +1,11 @@
 """Why the gated_resnorm kernel cannot take a call: the checks, in words, and the boolean guards.
 
 The kernel reproduces eager for [B, T, D] / [T, D] streams whose rows are dense (any batch stride),
-modulation rows broadcast over tokens ([D], [1, D], [B, 1, D], unit inner stride), one 16-bit float
-dtype on one CUDA device, D a positive multiple of 4 up to MAX_DIM, 8-byte-aligned data, no
-autograd. Everything else declines: the caller then runs the eager chain (`reference.py`).
+modulation rows as eager broadcasts them over the stream: one row for all tokens ([D], [1, D],
+[B|1, 1, D]: FLUX.1/FLUX.2) or one per token ([T, D], [B|1, T, D]: FLUX.3), unit inner stride and
+batch and row strides that are multiples of 4 elements; one 16-bit float dtype on one CUDA device,
+D a positive multiple of 4 up to MAX_DIM, 8-byte-aligned data, no autograd. Everything else
+declines: the caller then runs the eager chain (`reference.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ MAX_DIM = 16384  # the kernel's largest instantiation: 32 vectors of 4 per threa
 
 
 def _stream_reason(name: str, t: Any, like: torch.Tensor | None) -> Reason:
-    """Why a [B, T, D] / [T, D] stream tensor (residual or update) cannot go to the kernel."""
+    """Why a [B, T, D] / [T, D] stream tensor (residual, update or update2) cannot go to the kernel."""
     if not isinstance(t, torch.Tensor):
         return TypeReason(f"{name} is not a tensor")
     if t.dim() not in (2, 3):
@@ -37,31 +39,31 @@ def _stream_reason(name: str, t: Any, like: torch.Tensor | None) -> Reason:
     return None
 
 
-def _modulation_reason(name: str, t: Any, batch: int, dim: int) -> Reason:
-    """Modulation rows broadcast over tokens: [D], [1, D] or [1|B, 1, D] with unit inner stride."""
+def _modulation_reason(name: str, t: Any, batch: int, tokens: int, dim: int) -> Reason:
+    """Modulation rows as eager broadcasts them against a [B, T, D] / [T, D] stream, trailing axes
+    aligned: [D]; [R, D] (R aligns with tokens, never with batches); [Bm, R, D]. R is 1 (one row for
+    all tokens) or T (one per token), Bm is 1 or B: anything else would make eager broadcast the
+    stream itself (a new output shape) or raise. Unit inner stride; batch and row strides in whole
+    8-byte vectors, so that every row the kernel reads is as aligned as the data pointer."""
     if not isinstance(t, torch.Tensor):
         return TypeReason(f"{name} is not a tensor")
     shape = tuple(t.shape)
-    if t.dim() == 1:
-        rows = 1
-    elif t.dim() == 2:
-        # Eager aligns [R, D] with the stream's last two axes, i.e. with tokens: only [1, D] broadcasts
-        # over them; per-batch rows must be [B, 1, D].
-        if shape[0] != 1:
-            return f"{name} must broadcast over tokens: a 2-D {name} is [1, D], got {shape} (use [B, 1, D])"
-        rows = 1
-    elif t.dim() == 3 and shape[1] == 1:
-        rows = shape[0]
-    else:
-        return f"{name} must broadcast over tokens ([D], [1, D] or [B, 1, D]), got {shape}"
+    if not 1 <= t.dim() <= 3:
+        return f"{name} must be modulation rows [D], [T, D] or [B, T, D] (T: 1 or the tokens), got {shape}"
+    rows = shape[0] if t.dim() == 3 else 1
+    per_token = shape[-2] if t.dim() >= 2 else 1
     if shape[-1] != dim:
         return f"{name} has {shape[-1]} channels, residual has {dim}"
+    if per_token not in (1, tokens):
+        return f"{name} has {per_token} token rows for a stream of {tokens} (needs one, or one a token)"
     if rows not in (1, batch):
         return f"{name} batch {shape[0]} does not match the stream batch {batch}"
     if t.stride(-1) != 1:
         return f"{name} has inner stride {t.stride(-1)} (needs 1)"
-    if t.dim() >= 2 and rows > 1 and t.stride(0) % 4 != 0:
+    if rows > 1 and t.stride(0) % 4 != 0:
         return f"{name} batch stride {t.stride(0)} is not a multiple of 4 elements"
+    if per_token > 1 and t.stride(-2) % 4 != 0:
+        return f"{name} row stride {t.stride(-2)} is not a multiple of 4 elements"
     return None
 
 
@@ -86,22 +88,22 @@ def _common_reason(tensors: Sequence[tuple[str, torch.Tensor]]) -> Reason:
 
 
 def _metadata_reason(
-    residual: Any, update: Any, modulation: Sequence[tuple[str, Any]], *, gated: bool = True
+    residual: Any, updates: Sequence[tuple[str, Any]], modulation: Sequence[tuple[str, Any]]
 ) -> Reason:
-    """Everything the tensors' shapes, strides, dtypes and devices decide; gated=False for the
-    no-residual variant, which has no update."""
+    """Everything the tensors' shapes, strides, dtypes and devices decide: the residual, the updates
+    added to it (none for the no-residual variant, one or two for the gated add) and the modulation."""
     reason = _stream_reason("residual", residual, None)
-    if reason is None and gated:
-        reason = _stream_reason("update", update, residual)
+    for name, t in updates:
+        reason = reason or _stream_reason(name, t, residual)
     if reason is not None:
         return reason
     batch = residual.shape[0] if residual.dim() == 3 else 1
+    tokens, dim = residual.shape[-2], residual.shape[-1]
     for name, t in modulation:
-        reason = _modulation_reason(name, t, batch, residual.shape[-1])
+        reason = _modulation_reason(name, t, batch, tokens, dim)
         if reason is not None:
             return reason
-    streams = [("residual", residual)] + ([("update", update)] if gated else [])
-    return _common_reason(streams + list(modulation))
+    return _common_reason([("residual", residual), *updates, *modulation])
 
 
 def _runtime_reason(residual: torch.Tensor, *_: Any) -> Reason:
@@ -111,28 +113,49 @@ def _runtime_reason(residual: torch.Tensor, *_: Any) -> Reason:
 
 gated = Guard(
     ("residual", "update", "gate", "scale", "shift"),
-    lambda r, u, g, sc, sh: _metadata_reason(r, u, [("gate", g), ("scale", sc), ("shift", sh)]),
+    lambda r, u, g, sc, sh: _metadata_reason(r, [("update", u)], [("gate", g), ("scale", sc), ("shift", sh)]),
     _runtime_reason,
 )
 defer = Guard(
     ("residual", "update", "gate"),
-    lambda r, u, g: _metadata_reason(r, u, [("gate", g)]),
+    lambda r, u, g: _metadata_reason(r, [("update", u)], [("gate", g)]),
     _runtime_reason,
 )
 plain = Guard(
     ("residual", "scale", "shift"),  # the plain variant's stream, named as its reasons name it
-    lambda x, sc, sh: _metadata_reason(x, None, [("scale", sc), ("shift", sh)], gated=False),
+    lambda x, sc, sh: _metadata_reason(x, [], [("scale", sc), ("shift", sh)]),
+    _runtime_reason,
+)
+# The two-term update `residual + gate * (update + update2)` (FLUX.3's blocks).
+gated2 = Guard(
+    ("residual", "update", "update2", "gate", "scale", "shift"),
+    lambda r, u, v, g, sc, sh: _metadata_reason(
+        r, [("update", u), ("update2", v)], [("gate", g), ("scale", sc), ("shift", sh)]
+    ),
+    _runtime_reason,
+)
+defer2 = Guard(
+    ("residual", "update", "update2", "gate"),
+    lambda r, u, v, g: _metadata_reason(r, [("update", u), ("update2", v)], [("gate", g)]),
     _runtime_reason,
 )
 
 
-def gated_resnorm_decline_reason(residual: Any, update: Any, gate: Any, scale: Any, shift: Any) -> Reason:
-    """Why the fused `gated_resnorm` declines these inputs, or None when it accepts them."""
+def gated_resnorm_decline_reason(
+    residual: Any, update: Any, gate: Any, scale: Any, shift: Any, *, update2: Any = None
+) -> Reason:
+    """Why the fused `gated_resnorm` declines these inputs (with update2: the two-term update), or
+    None when it accepts them."""
+    if update2 is not None:
+        return gated2.reason(residual, update, update2, gate, scale, shift)
     return gated.reason(residual, update, gate, scale, shift)
 
 
-def defer_decline_reason(residual: Any, update: Any, gate: Any) -> Reason:
-    """Why `residual + gate * update` may not be left pending for a fused norm, or None."""
+def defer_decline_reason(residual: Any, update: Any, gate: Any, *, update2: Any = None) -> Reason:
+    """Why `residual + gate * update` (with update2: `residual + gate * (update + update2)`) may not
+    be left pending for a fused norm, or None."""
+    if update2 is not None:
+        return defer2.reason(residual, update, update2, gate)
     return defer.reason(residual, update, gate)
 
 

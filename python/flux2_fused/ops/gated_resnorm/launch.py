@@ -7,29 +7,40 @@ from collections.abc import Sequence
 import torch
 
 from .. import jit
-from .reference import Segment
+from .reference import Modulation, Segment
 
 SPEC = jit.KernelSpec(
     "gated_resnorm", sources=("gated_resnorm.cu",), headers=("gated_resnorm.cuh", "common.cuh", "entry.cuh")
 )
 KERNEL = "gated_resnorm_kernel"  # SPEC's __global__ function, by which profilers name it (ops.FUSED_KERNELS)
+_NO_SEGMENT = (None, None, None, None)  # the second segment's residual, update, update2, gate: absent
 
 
 def launch(
-    rows: Sequence[Segment], scale: torch.Tensor, shift: torch.Tensor, eps: float, *, write_residual: bool
+    rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float, *, write_residual: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the kernel over one or two segments of rows (the second follows the first along tokens,
-    both gated or both plain); returns (out, residual_out), residual_out None unless write_residual,
-    each shaped as eager's broadcasting would shape it.
+    both gated or both plain, both with one update or both with two); returns (out, residual_out),
+    residual_out None unless write_residual, each shaped as eager's broadcasting would shape it.
+
+    scale and shift: one tensor modulating every row of the launch (with per-token rows, the rows of
+    the concat), or a tuple with one per segment, each modulating its own segment's rows.
 
     The per-site hot path: the C++ entry reads [T, D] / [B, T, D] streams and the modulation rows
-    the guards accept, [D] / [1, D] / [1|B, 1, D] (one row a batch or one for all, broadcast over
-    tokens), as given (no tensor views made here), and what is absent (the update of a plain
-    segment, the second segment, residual_out) is passed as None rather than as a stand-in tensor.
+    the guards accept, [D] / [1|T, D] / [1|B, 1|T, D] (one row a batch or one for all, one row a
+    token or one for all tokens), as given (no tensor views made here), and what is absent (the
+    update of a plain segment, the second update, the second segment and its own modulation,
+    residual_out) is passed as None rather than as a stand-in tensor.
     """
     first = rows[0]
     r0 = first.residual
     gate_rows = () if first.gate is None else (first.gate,)
+    scale1 = shift1 = None
+    if type(scale) is tuple:  # one per segment
+        if len(rows) == 2:
+            (scale, scale1), (shift, shift1) = scale, shift
+        else:
+            (scale,), (shift,) = scale, shift
 
     def empty(*modulation: torch.Tensor) -> torch.Tensor:
         shape = _eager_shape(r0, *modulation)
@@ -40,17 +51,32 @@ def launch(
 
     out = empty(*gate_rows, scale, shift)
     residual_out = empty(*gate_rows) if write_residual else None
-    second = (rows[1].residual, rows[1].update, rows[1].gate) if len(rows) == 2 else (None, None, None)
+    if len(rows) == 2:
+        other = rows[1]
+        second = (other.residual, other.update, other.update2, other.gate)
+    else:
+        second = _NO_SEGMENT
     jit.module_for(SPEC, r0.device).gated_resnorm(
-        out, residual_out, scale, shift, r0, first.update, first.gate, *second, float(eps)
+        out,
+        residual_out,
+        scale,
+        shift,
+        scale1,
+        shift1,
+        r0,
+        first.update,
+        first.update2,
+        first.gate,
+        *second,
+        float(eps),
     )
     return out, residual_out
 
 
 def _eager_shape(stream: torch.Tensor, *modulation: torch.Tensor) -> torch.Size:
     """The shape eager broadcasting gives `stream` op'd with accepted modulation rows: a [T, D] stream
-    with a [1, 1, D] row becomes [1, T, D]. (torch.broadcast_shapes costs more host time than the
-    launch itself.)"""
+    with a [1, 1, D] or [1, T, D] row becomes [1, T, D]. (torch.broadcast_shapes costs more host time
+    than the launch itself.)"""
     if stream.dim() == 2 and any(t.dim() == 3 for t in modulation):
         return torch.Size((1, *stream.shape))
     return stream.shape

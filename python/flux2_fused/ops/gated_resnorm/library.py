@@ -1,11 +1,13 @@
 """The op as torch.library operators, so torch.compile keeps the fused sites instead of breaking the graph.
 
-`torch.ops.flux2_fused.gated_resnorm(residual, update, gate, scale, shift, eps) -> (out, residual_out)`
-and `torch.ops.flux2_fused.modnorm(x, scale, shift, eps) -> out` are `apply`: the fused kernel
-where the guards accept (checked when the op runs, not when it is traced), the eager chain
-everywhere else. Their fake implementations give Inductor the output shapes, so a compiled model
-plans around them; Inductor's own fusion of this chain keeps fp32 intermediates and is not
-bit-exact, ours is.
+`torch.ops.flux2_fused.gated_resnorm(residual, update, gate, scale, shift, eps, update2=None) ->
+(out, residual_out)` and `torch.ops.flux2_fused.modnorm(x, scale, shift, eps) -> out` are `apply`:
+the fused kernel where the guards accept (checked when the op runs, not when it is traced), the
+eager chain everywhere else. update2 is FLUX.3's second update (`residual + gate * (update +
+update2)`); modulation rows may be per token. A site `apply` cannot express as one call of these
+(per-segment modulation) becomes one call per segment and a concat (`_traced`). Their fake
+implementations give Inductor the output shapes, so a compiled model plans around them; Inductor's
+own fusion of this chain keeps fp32 intermediates and is not bit-exact, ours is.
 
 Why `torch.library.Library` and not `torch.library.custom_op`: an Inductor graph calls these ops on
 the host between its own kernel launches, and early in a step the GPU waits for that host work;
@@ -27,8 +29,8 @@ from .reference import Segment
 
 _LIB = torch.library.Library("flux2_fused", "FRAGMENT")
 _LIB.define(
-    "gated_resnorm(Tensor residual, Tensor update, Tensor gate, Tensor scale, Tensor shift, float eps)"
-    " -> (Tensor, Tensor)"
+    "gated_resnorm(Tensor residual, Tensor update, Tensor gate, Tensor scale, Tensor shift, float eps,"
+    " Tensor? update2=None) -> (Tensor, Tensor)"
 )
 _LIB.define("modnorm(Tensor x, Tensor scale, Tensor shift, float eps) -> Tensor")
 
@@ -40,8 +42,10 @@ def _gated_resnorm(
     scale: torch.Tensor,
     shift: torch.Tensor,
     eps: float,
+    update2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, residual_out = apply([Segment(residual, update, gate)], scale, shift, eps, write_residual=True)
+    segment = Segment(residual, update, gate, update2=update2)
+    out, residual_out = apply([segment], scale, shift, eps, write_residual=True)
     assert residual_out is not None
     return out, residual_out
 
@@ -72,8 +76,9 @@ _LIB.impl("modnorm", _autograd_kernel(modnorm, reference.modnorm), "Autograd")
 
 
 @torch.library.register_fake("flux2_fused::gated_resnorm", lib=_LIB)
-def _(residual, update, gate, scale, shift, eps):
-    residual_shape = torch.broadcast_shapes(residual.shape, gate.shape, update.shape)
+def _(residual, update, gate, scale, shift, eps, update2=None):
+    updates = (update.shape,) if update2 is None else (update.shape, update2.shape)
+    residual_shape = torch.broadcast_shapes(residual.shape, gate.shape, *updates)
     out_shape = torch.broadcast_shapes(residual_shape, scale.shape, shift.shape)
     return residual.new_empty(out_shape), residual.new_empty(residual_shape)
 

@@ -2,9 +2,11 @@
 
 The guards prove what metadata can; this proves the rest on the machine at hand (its GPU, driver,
 compiler and torch build). It feeds what breaks naive kernels: constant rows (variance 0), huge and
-tiny magnitudes, NaN and +-Inf, FLUX.2's strided per-batch modulation and broadcast rows, the plain
-variant, and rows of random bit patterns in all five inputs (the packed pair math's equality with
-eager rests on the hardware's rounding: docs/numerics.md).
+tiny magnitudes, NaN and +-Inf, FLUX.2's strided per-batch modulation and broadcast rows, FLUX.3's
+per-token modulation (chunks of a [B, T, 3D] tensor), its two-term update and its single block's
+two segments with their own modulation, the plain variant, and rows of random bit patterns in
+every input (the packed pair math's equality with eager rests on the hardware's rounding:
+docs/numerics.md).
 """
 
 from __future__ import annotations
@@ -54,30 +56,78 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
-    batch, tokens = 2, 37
-    residual, update = randn(batch, tokens, dim), randn(batch, tokens, dim)
-    _edge_rows(residual, big, small)
+    def stream(*shape: int) -> torch.Tensor:
+        x = randn(*shape)
+        _edge_rows(x, big, small)
+        return x
+
+    batch, tokens, text = 2, 37, 7  # odd token counts; FLUX.3's single block: 7 text + 37 image rows
+    residual, update, update2 = (
+        stream(batch, tokens, dim),
+        randn(batch, tokens, dim),
+        randn(batch, tokens, dim),
+    )
     update[0, 1] *= 1e3
+    update2[0, 2] *= 1e3
     mod = randn(batch, 1, 6 * dim)
     shift, scale, gate = mod.chunk(6, dim=-1)[:3]  # FLUX.2's strided [B, 1, D] chunk views
-    noise = [random_bits(shape, dtype, gen) for shape in [(batch, tokens, dim)] * 2 + [(batch, 1, dim)] * 3]
+    # FLUX.3's per-token modulation: strided [B, T, D] chunk views of one [B, T, 3D] tensor, edge
+    # rows included (a constant row, huge and tiny values, NaN and Inf in the modulation itself).
+    t_shift, t_scale, t_gate = stream(batch, tokens, 3 * dim).chunk(3, dim=-1)
+    txt_residual, txt_update, txt_update2 = (stream(batch, text, dim) for _ in range(3))
+    c_shift, c_scale, c_gate = randn(batch, text, 3 * dim).chunk(3, dim=-1)
+    noise = [random_bits((batch, tokens, dim), dtype, gen) for _ in range(6)]
     cases = {
-        "gated, per-batch modulation": (Segment(residual, update, gate), scale, shift),
-        "gated, broadcast modulation": (Segment(residual, update, gate[:1, 0]), scale[0, 0], shift[:1, 0]),
-        "no residual": (Segment(residual), scale, shift),
-        "random bit patterns": (Segment(*noise[:3]), noise[3], noise[4]),
+        "gated, per-batch modulation": ([Segment(residual, update, gate)], scale, shift),
+        "gated, broadcast modulation": ([Segment(residual, update, gate[:1, 0])], scale[0, 0], shift[:1, 0]),
+        "no residual": ([Segment(residual)], scale, shift),
+        "gated, per-token modulation": ([Segment(residual, update, t_gate)], t_scale, t_shift),
+        "two-term update, per-token modulation": (
+            [Segment(residual, update, t_gate, update2=update2)],
+            t_scale,
+            t_shift,
+        ),
+        "no residual, per-token [T, D] modulation": ([Segment(residual)], t_scale[0], t_shift[1]),
+        "two segments, two-term updates, per-segment modulation": (
+            [
+                Segment(txt_residual, txt_update, c_gate, update2=txt_update2),
+                Segment(residual, update, t_gate, update2=update2),
+            ],
+            (c_scale, t_scale),
+            (c_shift, t_shift),
+        ),
+        "two segments, one modulation": (
+            [Segment(txt_residual, txt_update, gate), Segment(residual, update, gate[:1])],
+            scale,
+            shift,
+        ),
+        "random bit patterns": (
+            [Segment(noise[0], noise[1], noise[2][:, :1])],
+            noise[3][:, :1],
+            noise[4][:1, :1],
+        ),
+        "random bit patterns, two-term update, per-token modulation": (
+            [Segment(noise[0], noise[1], noise[2], update2=noise[3])],
+            noise[4],
+            noise[5],
+        ),
     }
-    for name, (segment, sc, sh) in cases.items():
-        out, residual_out = launch([segment], sc, sh, 1e-6, write_residual=segment.gated)
-        ref_out, ref_stream = reference.segments([segment], sc, sh)
-        if segment.gated and (residual_out is None or not bits_equal(residual_out, ref_stream)):
+    for name, (rows, sc, sh) in cases.items():
+        gated = rows[0].gated
+        out, residual_out = launch(rows, sc, sh, 1e-6, write_residual=gated)
+        ref_out, ref_stream = reference.segments(rows, sc, sh)
+        if gated and (residual_out is None or not bits_equal(residual_out, ref_stream)):
             return False, f"{name}: residual_out differs from eager"
         if not bits_equal(out, ref_out):
             return False, f"{name}: out differs from eager"
     torch.cuda.synchronize(device)
-    return True, f"{len(cases)} cases x [{batch}, {tokens}, {dim}] {dtype}, random + edge rows + random bits"
+    return True, (
+        f"{len(cases)} cases x [{batch}, {tokens}, {dim}] {dtype} (per-batch, broadcast and per-token "
+        "modulation, two-term updates, two segments), random + edge rows + random bits"
+    )
 
 
+# 3072: FLUX.1, FLUX.2 klein-4B and FLUX.3 (24 heads x 128); 4096: klein-9B; 6144: FLUX.2 dev.
 VERIFY_DIMS = (3072, 4096, 6144, 8192, 16384, 4100)  # 4100 % 512 == 4: a partial last pass of the row
 OP = FusedOp(
     name="gated_resnorm",
