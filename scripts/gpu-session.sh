@@ -4,7 +4,7 @@
 #                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
 #                          [baseline-kernel-bench] [baseline-step-bench] [parallel-bench] [pytest:ARGS]
 #                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang] [scan] [float8-compile] [clocks]
-#                          [timeline] [script:PATH ARGS] [step:OPTIONS]
+#                          [timeline] [flux3] [script:PATH ARGS] [step:OPTIONS]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
 # pipeline-bench: a Flux2KleinPipeline call (klein-4b, 1024 px, 8 steps, CFG, VAE decode) alone vs enable();
@@ -27,6 +27,8 @@
 # fused step's GPU waits);
 # clocks: `python -m flux2_fused.bench.clocks` (blocks of eager and fused steps with nvidia-smi sampling
 # clocks, power, temperature and clock-event reasons) on CLOCKS_CONFIGS (default klein-4b).
+# flux3: FLUX.3's GPU tests, then `step --config flux3-klein --host diffusers` at 1024x1024 with
+# --vs-compile and --floor, at batch 2, and with a 4096-token reference image.
 # script:PATH runs `python3 PATH` (a diagnostic carried in .whl/, say; sglang's files importable after
 # the sglang step), its output in script.log.
 # ab-step:OPTIONS runs `flux2-fused step OPTIONS` on .baseline, then on this tree, into one ab-step.log.
@@ -107,6 +109,13 @@ for step in "$@"; do
       done ;;
     timeline) python3 -m flux2_fused.bench.timeline ${TIMELINE_ARGS:-} 2>&1 | tee "$OUT/timeline.log" || rc=1 ;;
     clocks) python3 -m flux2_fused.bench.clocks --configs ${CLOCKS_CONFIGS:-klein-4b} --json "$OUT/clocks.json" ${CLOCKS_ARGS:-} 2>&1 | tee "$OUT/clocks.log" || rc=1 ;;
+    flux3)  # FLUX.3's GPU tests, then its step at 1024x1024 beside torch.compile and the floor, batch 2,
+      # and with a reference image (FLUX3_ARGS adds options)
+      python3 -m pytest -q test/models/flux3 -m gpu 2>&1 | tee "$OUT/flux3-tests.log" | tail -8 || rc=1
+      step_bench step-flux3 --config flux3-klein --host diffusers --vs-compile --floor ${FLUX3_ARGS:-} || rc=1
+      step_bench step-flux3-batch2 --config flux3-klein --host diffusers --batch 2 --floor ${FLUX3_ARGS:-} || rc=1
+      step_bench step-flux3-reference --config flux3-klein --host diffusers --reference-tokens 4096 --floor \
+        ${FLUX3_ARGS:-} || rc=1 ;;
     script:*) OUT=$OUT PYTHONPATH=/tmp/sglang:$PYTHONPATH python3 ${step#script:} 2>&1 | tee -a "$OUT/script.log" | tail -60 || rc=1 ;;
     step:*)  # the step benchmark with these options, a JSON and log numbered in run order
       runs=$((${runs:-0} + 1))

@@ -25,20 +25,12 @@ def random_transformer(
     name: str, device: torch.device, dtype: torch.dtype, seed: int = 0, **overrides: Any
 ) -> nn.Module:
     """diffusers' FluxTransformer2DModel of a FLUX1_PRESETS size (constructor arguments `overrides`
-    changed, e.g. fewer blocks for the tests) with its own default initialization, made on `device`
-    in `dtype`, reproducible from `seed` without touching the caller's random state; in eval mode, as
-    `from_pretrained` returns it."""
+    changed, e.g. fewer blocks for the tests), as `hosts.random_transformer` makes it."""
     from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
 
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
-        torch.manual_seed(seed)
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            model = FluxTransformer2DModel(**{**flux1_config(name), **overrides})
-        finally:
-            torch.set_default_dtype(default)
-    return model.eval()
+    return hosts.random_transformer(
+        FluxTransformer2DModel, {**flux1_config(name), **overrides}, device, dtype, seed
+    )
 
 
 def step_inputs(

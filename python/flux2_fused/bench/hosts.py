@@ -57,6 +57,23 @@ def check_diffusers_host(
             raise BadValue(f"{option} needs {package}, which is not installed (pip install {package})")
 
 
+def random_transformer(
+    cls: type, config: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> nn.Module:
+    """A diffusers transformer `cls(**config)` with its own default initialization, made on `device`
+    in `dtype`, reproducible from `seed` without touching the caller's random state; in eval mode, as
+    `from_pretrained` returns it (the families without a model of the package's own: FLUX.1, FLUX.3)."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+        torch.manual_seed(seed)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = cls(**config)
+        finally:
+            torch.set_default_dtype(default)
+    return model.eval()
+
+
 def diffusers_model(ours: Flux2Transformer) -> nn.Module:
     """diffusers' Flux2Transformer2DModel sharing `ours`'s weight storage (built on meta, loaded strictly
     with assign): no second copy, so both hosts compute with the same weights and even the 64 GB dev

@@ -1,6 +1,7 @@
 """The benchmark commands' options (`flux2-fused bench`, `step`, `pipeline`, `kernel`): their
-declarations, the names and defaults they show, the checks of their values, and the parser that
-reports a bad one in one line (the command's and the `python -m` tools'). No torch here.
+declarations, the names and defaults they show (spelt alike on every command), the checks of their
+values and output paths, and the parser that reports a bad one in one line (the command's and the
+`python -m` tools'). No torch here.
 
 Why a module of its own: `flux2-fused --help` and a usage error must answer at once, and importing
 torch (which every benchmark module does) takes seconds. So the command line is declared from plain
@@ -12,9 +13,11 @@ dtypes, the kernel sites and dtypes); test/bench/test_options.py checks that the
 from __future__ import annotations
 
 import argparse
+import errno
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..errors import BadValue
 
@@ -50,6 +53,112 @@ def tool_parser(module: str, doc: str) -> Parser:
     return parser
 
 
+# One spelling on every command, the other accepted too: `bench` took `--config` and `--text-tokens`,
+# `step` and `pipeline` `--configs` and `--txt-tokens`, so a name learnt on one failed on the other.
+CONFIG_OPTION = ("--config", "--configs")
+TEXT_TOKENS_OPTION = ("--text-tokens", "--txt-tokens")
+
+
+def add_configs_argument(parser: argparse.ArgumentParser, choices: Sequence[str], default: list[str]) -> None:
+    """`--config NAME [NAME ...]` (also `--configs`) of a benchmark that runs several configs in turn."""
+    parser.add_argument(
+        *CONFIG_OPTION,
+        dest="configs",
+        nargs="+",
+        default=default,
+        choices=choices,
+        metavar="NAME",
+        help=f"one run each, from {', '.join(choices)} (default: {' '.join(default)})",
+    )
+
+
+# --------------------------------------------------------------------------- output files
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why `folder` cannot hold a new file because it is not there, None when it is a folder: the
+    nearest part of it that exists decides between a missing folder and a file in the way."""
+    if folder.is_dir():
+        return None
+    existing = next((part for part in (folder, *folder.parents) if part.exists()), None)
+    if existing is not None and not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    return f"folder {folder} does not exist"
+
+
+def _refusal(err: OSError) -> str:
+    """Why the system refused to create a file in a folder that exists, in words."""
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    if err.errno == errno.EROFS:
+        return "read-only file system"
+    if err.errno == errno.ENOENT:  # the folder is there: a file system that takes no new files (/proc, /sys)
+        return "its file system takes no new files"
+    return err.strerror or str(err)
+
+
+def check_output(option: str, path: Path | None, suffix: str | None = None) -> None:
+    """Raise BadValue before a run, not after minutes of it, when `path` could not be written (or,
+    with `suffix`, would be written in another format than its name says)."""
+    if path is None:
+        return
+    if suffix is not None and path.suffix.lower() != suffix:
+        raise BadValue(f"{option} {path}: the file name must end in {suffix} (the format written)")
+    if path.is_dir():
+        raise BadValue(f"{option} {path} is a folder; give a file name")
+    folder = path.parent
+    problem = folder_problem(folder)
+    if problem is not None:
+        raise BadValue(f"{option} {path}: {problem}")
+    # A probe rather than os.access, which says yes to root on a read-only mount and ignores ACLs. A
+    # device or pipe that exists (/dev/stdout) is written as it is, unprobed: opening a pipe can block.
+    existing = path.is_file()
+    try:
+        if existing:  # appending nothing leaves the file as it is
+            with path.open("ab"):
+                pass
+        elif not path.exists():
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".flux2-fused-probe-"):
+                pass
+    except OSError as err:
+        where = f"write {path}" if existing else f"create a file in folder {folder}"
+        raise BadValue(f"{option} {path}: cannot {where} ({_refusal(err)})") from err
+
+
+class OutputFile(argparse.Action):
+    """An output file option (`--json`, `--plot`): checked as it is parsed (`check_output`), so every
+    command refuses a path it could not write before it looks at the machine or starts any work."""
+
+    def __init__(
+        self, option_strings: Sequence[str], dest: str, suffix: str | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.suffix = suffix
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        path = Path(values)
+        try:
+            check_output(option_string or self.dest, path, self.suffix)
+        except BadValue as err:
+            parser.error(str(err))
+        setattr(namespace, self.dest, path)
+
+
+def add_output_arguments(
+    parser: argparse.ArgumentParser, json_help: str, plot_help: str | None = None
+) -> None:
+    """`--json FILE` and, with `plot_help`, `--plot FILE.png`, each checked as it is parsed."""
+    parser.add_argument("--json", action=OutputFile, metavar="FILE", help=json_help)
+    if plot_help is not None:
+        parser.add_argument("--plot", action=OutputFile, suffix=".png", metavar="FILE.png", help=plot_help)
+
+
 # `flux2-fused bench`
 CONFIGS = ("dev", "klein-4b", "klein-9b", "tiny")  # Flux2Config.PRESETS' names
 DTYPES = ("bf16", "fp16", "fp32")  # denoise.DTYPES' names
@@ -57,20 +166,36 @@ PX_PER_TOKEN = 16  # the VAE downsamples 8x and FLUX.2 packs 2x2 latent pixels i
 GPU_SIDE, CPU_SIDE = 1024, 256  # default image side in pixels
 DEFAULT_STEPS = 4
 DEFAULT_TEXT_TOKENS = 512
-# `flux2-fused step` and `pipeline`
-STEP_CONFIGS = ("dev", "klein-4b", "klein-9b", "flux1-dev", "flux1-schnell")  # FLUX.1: --host diffusers
+# `flux2-fused step` and `pipeline`; FLUX.1 and FLUX.3 run on `--host diffusers` only.
+STEP_CONFIGS = (
+    "dev",
+    "klein-4b",
+    "klein-9b",
+    "flux1-dev",
+    "flux1-schnell",
+    "flux3-klein",
+    "flux3-klein-flow",
+)
+# The families without a model of the package's own (diffusers' transformer is their one host), by
+# the prefix of their config names.
+DIFFUSERS_ONLY = {"flux1-": "FLUX.1", "flux3-": "FLUX.3"}
 
 
-def is_flux1(name: str) -> bool:
-    """Whether a benchmark config name is a FLUX.1 one (`flux1-dev`, `flux1-schnell`)."""
-    return name.startswith("flux1-")
+def diffusers_only(name: str) -> str | None:
+    """The family of a config name that has no model of the package's own (FLUX.1, FLUX.3), None for
+    a FLUX.2 one."""
+    return next((family for prefix, family in DIFFUSERS_ONLY.items() if name.startswith(prefix)), None)
 
 
 def no_package_model(configs: Sequence[str]) -> str | None:
-    """Why these configs cannot run on the package's own model (FLUX.1 has none: diffusers'
-    transformer is its only host), or None when they all can."""
-    flux1 = [name for name in configs if is_flux1(name)]
-    return f"{', '.join(flux1)}: FLUX.1 has no model of the package's own" if flux1 else None
+    """Why these configs cannot run on the package's own model (FLUX.1 and FLUX.3 have none:
+    diffusers' transformer is their only host), or None when they all can."""
+    names = [name for name in configs if diffusers_only(name)]
+    if not names:
+        return None
+    families = sorted({diffusers_only(name) for name in names})
+    verb = "has" if len(families) == 1 else "have"
+    return f"{', '.join(names)}: {' and '.join(families)} {verb} no model of the package's own"
 
 
 PIPELINE_CONFIGS = ("klein-4b", "klein-9b", "dev", "flux1-dev", "flux1-schnell")  # Klein, Flux2, FluxPipeline
@@ -88,10 +213,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The denoise benchmark's options (the `flux2-fused bench` subcommand's)."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
-        "--config",
+        *CONFIG_OPTION,
         choices=CONFIGS,
-        help="preset with random weights (default: dev on a GPU with room for it, klein-4b on a smaller "
-        "GPU, tiny on the CPU)",
+        metavar="NAME",
+        help=f"preset with random weights, one of {', '.join(CONFIGS)} (default: dev on a GPU with room "
+        "for it, klein-4b on a smaller GPU, tiny on the CPU)",
     )
     source.add_argument(
         "--weights", type=Path, metavar="PATH", help="diffusers-format folder (config.json decides the model)"
@@ -102,16 +228,22 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     for option, default, what in (
         ("--steps", DEFAULT_STEPS, "timed denoise steps a mode"),
         ("--batch", 1, "batch size"),
-        ("--text-tokens", DEFAULT_TEXT_TOKENS, "text tokens a sample"),
         ("--seed", 0, "seed of the weights, latents and text embeddings"),
     ):
         parser.add_argument(
             option, type=int, default=default, metavar="N", help=f"{what} (default {default})"
         )
-    parser.add_argument("--dtype", choices=DTYPES, help="default bf16 on a GPU, fp32 on the CPU")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write every figure to FILE")
     parser.add_argument(
-        "--plot", type=Path, metavar="FILE.png", help="draw step and kernel times (needs matplotlib)"
+        *TEXT_TOKENS_OPTION,
+        dest="text_tokens",
+        type=int,
+        default=DEFAULT_TEXT_TOKENS,
+        metavar="N",
+        help=f"text tokens a sample (default {DEFAULT_TEXT_TOKENS})",
+    )
+    parser.add_argument("--dtype", choices=DTYPES, help="default bf16 on a GPU, fp32 on the CPU")
+    add_output_arguments(
+        parser, "write every figure to FILE", "draw step and kernel times (needs matplotlib)"
     )
     parser.add_argument(
         "--allow-slow",
@@ -129,13 +261,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """The step benchmark's options (the `flux2-fused step` subcommand's)."""
-    parser.add_argument(
-        "--configs",
-        nargs="+",
-        default=["dev", "klein-4b"],
-        choices=STEP_CONFIGS,
-        help="default: dev klein-4b",
-    )
+    add_configs_argument(parser, STEP_CONFIGS, ["dev", "klein-4b"])
     parser.add_argument(
         "--steps", type=int, metavar="N", help="timed steps per mode (default 7, with --compile 100)"
     )
@@ -152,7 +278,21 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         "(default 1024x1024)",
     )
     size.add_argument("--img-tokens", type=int, metavar="N", help="image tokens instead of a size")
-    parser.add_argument("--txt-tokens", type=int, default=512, metavar="N", help="text tokens (default 512)")
+    parser.add_argument(
+        "--reference-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="FLUX.3: one reference image of N tokens beside the image (image-to-image; default none)",
+    )
+    parser.add_argument(
+        *TEXT_TOKENS_OPTION,
+        dest="txt_tokens",
+        type=int,
+        default=DEFAULT_TEXT_TOKENS,
+        metavar="N",
+        help=f"text tokens (default {DEFAULT_TEXT_TOKENS})",
+    )
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -205,26 +345,25 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         help="--host diffusers: torchao dynamic quantization of every Linear in the blocks: float8 "
         "activations and weights scaled per row or per tensor (sm_89 or newer), or int8 (default: none)",
     )
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the results to FILE")
-    parser.add_argument(
-        "--plot",
-        type=Path,
-        metavar="FILE.png",
-        help="draw pipelined step time against size (needs matplotlib)",
+    add_output_arguments(
+        parser, "write the results to FILE", "draw pipelined step time against size (needs matplotlib)"
     )
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     """The pipeline benchmark's options (the `flux2-fused pipeline` subcommand's)."""
-    parser.add_argument(
-        "--configs", nargs="+", default=["klein-4b"], choices=PIPELINE_CONFIGS, help="default: klein-4b"
-    )
+    add_configs_argument(parser, PIPELINE_CONFIGS, ["klein-4b"])
     parser.add_argument("--pairs", type=int, default=3, metavar="N", help="timed calls a mode (default 3)")
     parser.add_argument("--steps", type=int, default=8, metavar="N", help="denoise steps a call (default 8)")
     parser.add_argument("--height", type=int, default=1024, metavar="PX", help="default 1024")
     parser.add_argument("--width", type=int, default=1024, metavar="PX", help="default 1024")
     parser.add_argument(
-        "--txt-tokens", type=int, default=512, metavar="N", help="prompt embedding tokens (default 512)"
+        *TEXT_TOKENS_OPTION,
+        dest="txt_tokens",
+        type=int,
+        default=DEFAULT_TEXT_TOKENS,
+        metavar="N",
+        help=f"prompt embedding tokens (default {DEFAULT_TEXT_TOKENS})",
     )
     parser.add_argument(
         "--guidance-scale",
@@ -242,7 +381,7 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
         help="a cache on the transformer, one run each: cache-dit's DBCache (F1B0, steps 0, 1 and every "
         "other step computed) or diffusers' MagCache (every other step skipped); default: none",
     )
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the results to FILE")
+    add_output_arguments(parser, "write the results to FILE")
 
 
 def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -263,7 +402,7 @@ def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=KERNEL_DTYPES, default="bf16", help="element type (default bf16)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the chain")
-    parser.add_argument("--json", type=Path, metavar="FILE", help="write the rows to FILE")
+    add_output_arguments(parser, "write the rows to FILE")
 
 
 def require_at_least_one(counts: Mapping[str, int | None]) -> None:

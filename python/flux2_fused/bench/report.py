@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import json
 import statistics
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from ..errors import BadValue
 
 MODES = ("eager", "fused")
 # The classes of kernel (bench/classify.py's table names them) each benchmark splits a profiled step
@@ -48,26 +45,6 @@ def _gain_text(diff_ms: float, ci95_ms: float) -> str:
 
 
 # --------------------------------------------------------------------------- output files
-
-
-def check_output(option: str, path: Path | None, suffix: str | None = None) -> None:
-    """Raise BadValue before a run, not after minutes of it, when `path` could not be written (or,
-    with `suffix`, would be written in another format than its name says)."""
-    if path is None:
-        return
-    if suffix is not None and path.suffix.lower() != suffix:
-        raise BadValue(f"{option} {path}: the file name must end in {suffix} (the format written)")
-    if path.is_dir():
-        raise BadValue(f"{option} {path} is a folder; give a file name")
-    folder = path.parent
-    if not folder.is_dir():
-        raise BadValue(f"{option} {path}: folder {folder} does not exist")
-    # A probe rather than os.access, which says yes to root on a read-only mount and ignores ACLs.
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".flux2-fused-probe-"):
-            pass
-    except OSError as err:
-        raise BadValue(f"{option} {path}: cannot write in folder {folder} ({err.strerror or err})") from err
 
 
 def write_json(data: object, path: Path) -> None:
@@ -350,6 +327,7 @@ class StepResult:
       (`bench.floor`); else null
     - floor_profile: with --floor, the Breakdown of one such replay (its GEMM and attention kernel
       time should match the fused step's); else null
+    - reference_tokens: FLUX.3's reference image tokens a sample (image-to-image), 0 for none
     """
 
     config: str
@@ -384,11 +362,14 @@ class StepResult:
     graph_bit_exact: bool | None = None
     floor_ms: float | None = None
     floor_profile: Breakdown | None = None
+    reference_tokens: int = 0
 
     @property
     def size_label(self) -> str:
         """The image size and token counts, as the tables name a row's shape."""
         tokens = f"{self.img_tokens}+{self.txt_tokens}"
+        if self.reference_tokens:
+            tokens += f"+{self.reference_tokens} ref"
         return tokens if self.width is None else f"{self.width}x{self.height} ({tokens})"
 
     @property

@@ -71,17 +71,16 @@ from torch.profiler import ProfilerActivity, profile
 
 from ..errors import BadValue, CommandError
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
-from . import flux1, hosts
+from . import flux1, flux3, hosts
 from .classify import tally
 from .floor import floor_step
-from .options import PX_PER_TOKEN, is_flux1, no_package_model, require_at_least_one
+from .options import PX_PER_TOKEN, check_output, diffusers_only, no_package_model, require_at_least_one
 from .report import (
     KERNEL_CLASSES,
     Breakdown,
     Paired,
     StepResult,
     Timing,
-    check_output,
     format_step_table,
     write_json,
 )
@@ -194,21 +193,28 @@ def pipelined_busy_pct(step: Callable[[], object], steps: int = 5) -> float:
     return busy_pct((e.time_range.start, e.time_range.end) for e in events)
 
 
+# The benchmark modules of the families diffusers alone hosts: each builds its random transformer and
+# a step's inputs, and names its LoRA's target Linears.
+DIFFUSERS_FAMILIES = {"FLUX.1": flux1, "FLUX.3": flux3}
+
+
 class Subject:
     """The model the step benchmark times, built once for all its sizes and batches: the package's
     model (eager = `fused = False`) or diffusers' with the same random weights (eager = its own
-    forward, fused = `enable(model)`; FLUX.1 sizes are diffusers' own transformer with its default
-    init, `bench.flux1`), quantized, with a LoRA and offloaded as asked."""
+    forward, fused = `enable(model)`; FLUX.1 and FLUX.3 sizes are diffusers' own transformers with
+    their default init, `bench.flux1` and `bench.flux3`), quantized, with a LoRA and offloaded as
+    asked."""
 
     def __init__(self, name: str, host: str, lora_rank: int | None, offload: str, quantization: str) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         self.name = name
-        self.diffusers = is_flux1(name) or host == "diffusers"
+        self.family = DIFFUSERS_FAMILIES.get(diffusers_only(name) or "")
+        self.diffusers = self.family is not None or host == "diffusers"
         self._twins: dict[bool, nn.Module] = {}
-        if is_flux1(name):
-            transformer = flux1.random_transformer(name, device, torch.bfloat16)
+        if self.family is not None:
+            transformer = self.family.random_transformer(name, device, torch.bfloat16)
             self.model = hosts.set_up(
-                transformer, device, lora_rank, offload, quantization, flux1.LORA_TARGETS
+                transformer, device, lora_rank, offload, quantization, self.family.LORA_TARGETS
             )
         elif self.diffusers:
             self.model = hosts.diffusers_host(
@@ -231,9 +237,26 @@ class Subject:
         else:
             self.model.fused = fused
 
-    def inputs(self, batch: int, img_tokens: int, txt_tokens: int, width_tokens: int | None) -> dict:
-        if is_flux1(self.name):
-            return flux1.step_inputs(
+    def inputs(
+        self,
+        batch: int,
+        img_tokens: int,
+        txt_tokens: int,
+        width_tokens: int | None,
+        reference_tokens: int = 0,
+    ) -> dict:
+        if self.family is flux3:
+            return flux3.step_inputs(
+                self.name,
+                batch,
+                img_tokens,
+                txt_tokens,
+                torch.bfloat16,
+                width_tokens=width_tokens,
+                reference_tokens=reference_tokens,
+            )
+        if self.family is not None:
+            return self.family.step_inputs(
                 self.name, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens
             )
         config = Flux2Config.preset(self.name)
@@ -322,6 +345,7 @@ def bench_size(
     graph: bool = False,
     floor: bool = False,
     options: dict[str, Any] | None = None,
+    reference_tokens: int = 0,
 ) -> StepResult:
     """One (batch, size) of a subject: eager and fused interleaved (synchronized, then pipelined,
     in turn with the other modes asked for: torch.compile of the eager forward with `vs_compile`
@@ -330,7 +354,7 @@ def bench_size(
     breakdowns and each mode's GPU busy %; `size` (width, height) pixels gives `img_tokens` their
     layout."""
     width_tokens = None if size is None else size[0] // PX_PER_TOKEN
-    inputs = subject.inputs(batch, img_tokens, txt_tokens, width_tokens)
+    inputs = subject.inputs(batch, img_tokens, txt_tokens, width_tokens, reference_tokens)
     run = subject.compiled_runner(inputs) if compile_both else subject.runner(inputs)
     runs: dict[str, Callable[[], torch.Tensor]] = {
         "eager": functools.partial(run, False),
@@ -401,6 +425,7 @@ def bench_size(
         graph_bit_exact=torch.equal(outputs["graph"], outputs["eager"]) if graph else None,
         floor_ms=median("floor"),
         floor_profile=floor_profile,
+        reference_tokens=reference_tokens,
         **(options or {}),
     )
 
@@ -419,10 +444,14 @@ def check(args: argparse.Namespace) -> None:
             "--steps": args.steps,
             "--batch": min(args.batch),
             "--img-tokens": args.img_tokens,
-            "--txt-tokens": args.txt_tokens,
+            "--text-tokens": args.txt_tokens,
             "--lora": args.lora,
         }
     )
+    if args.reference_tokens < 0:
+        raise BadValue(f"--reference-tokens must be at least 0, got {args.reference_tokens}")
+    if args.reference_tokens and (others := [n for n in args.configs if diffusers_only(n) != "FLUX.3"]):
+        raise BadValue(f"--reference-tokens: reference images are FLUX.3's, not {', '.join(others)}'s")
     if args.compile and (args.vs_compile or args.graph or args.floor):
         raise BadValue(
             "--compile compiles both modes; --vs-compile, --graph and --floor add modes to eager and fused"
@@ -483,6 +512,7 @@ def run(args: argparse.Namespace) -> int:
                     graph=args.graph,
                     floor=args.floor,
                     options=options,
+                    reference_tokens=args.reference_tokens,
                 )
                 results.append(result)
                 torch.cuda.empty_cache()

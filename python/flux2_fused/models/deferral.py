@@ -42,6 +42,8 @@ class PendingConcat:
 
 
 Stream = torch.Tensor | PendingGatedResidual | PendingConcat
+# A norm's scale or shift: one tensor for every row, or one per part of a concat.
+Modulation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 def materialize(stream: Stream) -> torch.Tensor:
@@ -62,14 +64,19 @@ def stream_rows(x: Stream, start: int) -> Stream:
     return x.rows(start) if isinstance(x, Segment) else materialize(x)[:, start:]
 
 
-def _segments(x: Stream) -> list[Segment]:
+def _segment(x: Stream) -> Segment:
+    return x if isinstance(x, Segment) else Segment(materialize(x))
+
+
+def _segments(x: Stream, per_part: bool = False) -> list[Segment]:
     """The stream as the op's input rows: a concat of two pending updates stays two segments (the
-    kernel writes the concat's buffer itself); any other concat is materialized first."""
+    kernel writes the concat's buffer itself); any other concat is materialized first, unless each
+    part has a modulation of its own (`per_part`), which keeps the parts apart."""
     if isinstance(x, PendingConcat):
-        if isinstance(x.first, Segment) and isinstance(x.second, Segment):
-            return [x.first, x.second]
+        if per_part or (isinstance(x.first, Segment) and isinstance(x.second, Segment)):
+            return [_segment(x.first), _segment(x.second)]
         return [Segment(x.materialize())]
-    return [x if isinstance(x, Segment) else Segment(x)]
+    return [_segment(x)]
 
 
 class Normed(NamedTuple):
@@ -94,8 +101,16 @@ class Fusion:
     def __repr__(self) -> str:
         return f"Fusion(fused={self.fused})"
 
-    def add(self, x: Stream, update: torch.Tensor, gate: torch.Tensor, clip_fp16: bool = False) -> Stream:
-        """`x + gate * update`, deferred where the next fused norm can consume it.
+    def add(
+        self,
+        x: Stream,
+        update: torch.Tensor,
+        gate: torch.Tensor,
+        clip_fp16: bool = False,
+        update2: torch.Tensor | None = None,
+    ) -> Stream:
+        """`x + gate * update` (with `update2`: `x + gate * (update + update2)`, FLUX.3's parallel
+        attention and MLP), deferred where the next fused norm can consume it.
 
         clip_fp16: diffusers saturates this stream at +-65504 in fp16, which must happen before any
         reader, so such a site is always materialized.
@@ -108,13 +123,19 @@ class Fusion:
             update = update.wait()
         if clip_fp16 and x.dtype == torch.float16:
             return (x + gate * update).clip(-65504.0, 65504.0)
-        return gated_resnorm.defer(x, update, gate, enabled=self.fused)
+        return gated_resnorm.defer(x, update, gate, update2=update2, enabled=self.fused)
 
-    def norm(self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> Normed:
+    def norm(self, x: Stream, scale: Modulation, shift: Modulation, eps: float) -> Normed:
         """`(1 + scale) * layer_norm(stream) + shift` and the stream, in one launch where the fused
-        kernel accepts the call."""
+        kernel accepts the call. A concat's two parts may each have their own modulation (a tuple
+        of two): FLUX.3 normalizes text and image rows into one joint buffer that way."""
         out, stream = gated_resnorm.apply(
-            _segments(x), scale, shift, eps, write_residual=True, enabled=self.fused
+            _segments(x, per_part=isinstance(scale, tuple)),
+            scale,
+            shift,
+            eps,
+            write_residual=True,
+            enabled=self.fused,
         )
         assert stream is not None
         return Normed(out, stream)

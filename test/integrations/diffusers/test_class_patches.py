@@ -1,6 +1,7 @@
-"""Tools that patch diffusers' (or torch's) classes instead of instances, TeaCache's style: after
-`enable()` the patched code runs, whichever came first, and the output is what diffusers gives with
-the same patch; the blocks the patched code does not touch stay on the block code.
+"""Tools that patch diffusers' (or torch's) classes instead of instances, TeaCache's style: on FLUX.1,
+FLUX.2 and FLUX.3, after `enable()` the patched code runs, whichever came first, and the output is
+what diffusers gives with the same patch; the blocks the patched code does not touch stay on the
+block code.
 
 Each patch scales what its method returns, so an output that dropped it differs from diffusers'.
 Most replacements are dressed with `functools.wraps` (the original's name, module and docstring),
@@ -24,15 +25,18 @@ from flux2_fused.integrations.diffusers import enable
 from flux2_fused.models.flux1 import blocks as flux1_blocks
 from flux2_fused.models.flux2 import Flux2Transformer
 from flux2_fused.models.flux2 import blocks as flux2_blocks
+from flux2_fused.models.flux3 import blocks as flux3_blocks
 
 from ...conftest import count_block_code
 from ...models.flux1 import support as flux1
 from ...models.flux2.test_model import TINY, diffusers_model, image_ids, text_ids
+from ...models.flux3 import support as flux3
 
 attention_backend = pytest.importorskip("diffusers.models.attention_dispatch").attention_backend
 
 FLUX2 = "diffusers.models.transformers.transformer_flux2"
 FLUX1 = "diffusers.models.transformers.transformer_flux"
+FLUX3 = "diffusers.models.transformers.transformer_flux3"
 NORMS = "diffusers.models.normalization"
 
 
@@ -106,6 +110,13 @@ class Family:
     inputs: Callable[[], dict[str, Any]]
     code: Any
     patches: dict[str, Patch]
+    # The block bodies' names in the block code (the first kind, the joint single blocks) and how
+    # many blocks of each kind one call runs.
+    kinds: tuple[str, str] = ("double", "single")
+    layers: Callable[[nn.Module], tuple[int, int]] = lambda model: (
+        len(model.transformer_blocks),
+        len(model.single_transformer_blocks),
+    )
 
 
 def _flux2_inputs() -> dict[str, Any]:
@@ -186,6 +197,37 @@ FAMILIES = {
             "torch RMSNorm forward": Patch("torch.nn.RMSNorm", "forward", wrapped_replacement),
         },
     ),
+    "flux3": Family(
+        model=flux3.transformer,
+        inputs=flux3.step_inputs,
+        code=flux3_blocks,
+        kinds=("mode", "single"),
+        layers=lambda model: (
+            len(model.txt_mode_blocks) + len(model.mode_blocks["image"]),
+            len(model.single_transformer_blocks),
+        ),
+        patches={
+            "transformer forward (TeaCache)": Patch(
+                f"{FLUX3}.Flux3Transformer2DModel", "forward", teacache_style
+            ),
+            "mode block forward": Patch(
+                f"{FLUX3}.Flux3ModeTransformerBlock", "forward", wrapped_replacement, (False, True)
+            ),
+            "single block forward": Patch(
+                f"{FLUX3}.Flux3SingleTransformerBlock", "forward", wrapped_replacement, (True, False)
+            ),
+            "mode block __call__": Patch(f"{FLUX3}.Flux3ModeTransformerBlock", "__call__", call_replacement),
+            "attention forward": Patch(f"{FLUX3}.Flux3Attention", "forward", wrapped_replacement),
+            "processor __call__": Patch(f"{FLUX3}.Flux3AttnProcessor", "__call__", wrapped_replacement),
+            "feed-forward forward": Patch(f"{FLUX3}.Flux3FeedForward", "forward", wrapped_replacement),
+            "SwiGLU forward": Patch(f"{FLUX3}.Flux3SwiGLU", "forward", wrapped_replacement),
+            "output norm forward": Patch(f"{FLUX3}.Flux3AdaLayerNorm", "forward", wrapped_replacement),
+            "torch LayerNorm forward": Patch(
+                "torch.nn.LayerNorm", "forward", wrapped_replacement, (False, False)
+            ),
+            "torch RMSNorm forward": Patch("torch.nn.RMSNorm", "forward", wrapped_replacement),
+        },
+    ),
 }
 CASES = [(family, patch) for family, spec in FAMILIES.items() for patch in spec.patches]
 
@@ -198,9 +240,7 @@ def _fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _bodies(monkeypatch: pytest.MonkeyPatch, family: Family) -> tuple[list[int], list[int]]:
-    return tuple(
-        count_block_code(monkeypatch, f"{kind}_block_body", family.code) for kind in ("double", "single")
-    )
+    return tuple(count_block_code(monkeypatch, f"{kind}_block_body", family.code) for kind in family.kinds)
 
 
 def _run(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
@@ -236,7 +276,7 @@ def test_a_class_patch_runs_after_enable(
     expected = _run(model, inputs)  # diffusers alone, with the same patch
     assert not torch.equal(expected, unpatched)  # the patch changes the output
     assert torch.equal(patched, expected)
-    layers = (len(model.transformer_blocks), len(model.single_transformer_blocks))
+    layers = family.layers(model)
     assert counts == tuple(n if fused else 0 for n, fused in zip(layers, patch.blocks, strict=True))
 
 
@@ -251,14 +291,12 @@ def test_undoing_a_patch_fuses_again(family_name: str, monkeypatch: pytest.Monke
     double, single = _bodies(monkeypatch, family)
     with monkeypatch.context() as scoped, warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        family.patches["double block forward"].apply(scoped)
+        next(patch for patch in family.patches.values() if patch.blocks == (False, True)).apply(scoped)
         assert not torch.equal(_run(model, inputs), expected)
     assert not double
     single.clear()
     assert torch.equal(_run(model, inputs), expected)
-    assert len(double) == len(model.transformer_blocks) and len(single) == len(
-        model.single_transformer_blocks
-    )
+    assert (len(double), len(single)) == family.layers(model)
     handle.disable()
 
 

@@ -24,6 +24,9 @@ FAMILIES = {
     "diffusers.models.transformers.transformer_flux.FluxTransformer2DModel": (
         "flux2_fused.models.flux1.diffusers"
     ),
+    "diffusers.models.transformers.transformer_flux3.Flux3Transformer2DModel": (
+        "flux2_fused.models.flux3.diffusers"
+    ),
 }
 
 

@@ -1,0 +1,325 @@
+"""FLUX.3's blocks as functions of their modules, written against `flux2_fused.host.Host`.
+
+diffusers' `Flux3Transformer2DModel` differs from FLUX.2 in four ways this file holds:
+- modulation is per token: each block gets a [B, S, 3D] tensor and chunks it into (shift, scale,
+  gate) [B, S, D] views, which the modulated norm and the gated residual read row by row;
+- a mode block (text, image, reference image: each its own stack, attending within itself) runs
+  attention and the SwiGLU MLP in parallel on one modulated norm and returns
+  `x + gate * (attn + mlp)`: the two-term update is left pending, into the next block's norm;
+- a joint single block normalizes the text rows and the content rows (image, then reference) with
+  their own modulations into one joint buffer (no concat), runs attention and the MLP on it, and
+  updates the two streams with their own gates, both left pending;
+- the attention prologue upcasts q and k to fp32 before the RMSNorm (its weight kept in fp32) and
+  RoPE, rounding once at the end (`qk_norm_rope` in its fp32 mode).
+Each dispatcher runs the block code where the module is plain, the host's call elsewhere; the
+`*_body` functions are the block code, which the diffusers binding's block forwards call too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...host import Host
+from ...ops import qk_norm_rope
+from ..common import Rope, feed_forward, layer_norms_plain, qk_norms
+from ..deferral import Fusion, PendingConcat, Stream, materialize
+
+
+def chunk_modulation(mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(shift, scale, gate): the [B, S, D] views of a block's [B, S, 3D] modulation, as the blocks'
+    `torch.chunk(temb_mod, 3, dim=-1)`."""
+    shift, scale, gate = mod.chunk(3, dim=-1)
+    return shift, scale, gate
+
+
+def prologue(
+    attn: nn.Module, host: Host, fusion: Fusion, query: torch.Tensor, key: torch.Tensor, rope: Rope
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_q(q.float())` and `norm_k(k.float())`, RoPE in fp32, one cast to q's dtype, as
+    `Flux3AttnProcessor` runs them: one fused launch where the host vouches for both norms as
+    RMSNorms of one eps; else the norm modules' own calls."""
+    norms = qk_norms(host, (attn.norm_q, attn.norm_k))
+    dtype = query.dtype
+    if norms is None:
+        rotated = (
+            qk_norm_rope.reference.rope(host.call(norm, x.float()), *rope)
+            for norm, x in ((attn.norm_q, query), (attn.norm_k, key))
+        )
+        q, k = (x.to(dtype) for x in rotated)
+        return q, k
+    (wq, eps), (wk, _) = norms
+    q, k, _ = qk_norm_rope.apply(
+        [qk_norm_rope.Segment(query, wq)],
+        [qk_norm_rope.Segment(key, wk)],
+        *rope,
+        eps,
+        upcast=True,
+        enabled=fusion.fused,
+    )
+    return q, k
+
+
+def attention(attn: nn.Module, host: Host, fusion: Fusion, h: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """`Flux3Attention` on the block code where the host has an attention for it: the q, k, v
+    projections, the fp32 prologue, the host's attention and the output projection; else the
+    module's own call."""
+    attend = host.attention(attn, None, 0)
+    if attend is None:
+        return host.call(attn, hidden_states=h, image_rotary_emb=rope)
+    query, key, value = (
+        host.linear(proj, h).unflatten(-1, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v)
+    )
+    query, key = prologue(attn, host, fusion, query, key, rope)
+    return host.linear(attn.to_out[0], attend(query, key, value))
+
+
+def parallel_update(
+    block: nn.Module, host: Host, fusion: Fusion, normed: torch.Tensor, rope: Rope
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention, MLP) of one modulated norm, in diffusers' order."""
+    return attention(block.attn, host, fusion, normed, rope), feed_forward(block.ff, host, fusion, normed)
+
+
+def mode_block_body(
+    block: nn.Module, host: Host, fusion: Fusion, x: Stream, mod: torch.Tensor, rope: Rope
+) -> Stream:
+    """A mode block on a possibly-pending stream; returns `x + gate * (attn + mlp)` pending."""
+    shift, scale, gate = chunk_modulation(mod)
+    normed, x = fusion.norm(x, scale, shift, block.norm.eps)
+    attn_out, mlp_out = parallel_update(block, host, fusion, normed, rope)
+    return fusion.add(x, attn_out, gate, update2=mlp_out)
+
+
+def block_plain(host: Host, block: nn.Module) -> bool:
+    """A block's body may run: the block and its affine-free LayerNorm are plain."""
+    return host.plain(block) and layer_norms_plain(host, block, ("norm",))
+
+
+def mode_block(
+    block: nn.Module, host: Host, fusion: Fusion, x: Stream, mod: torch.Tensor, rope: Rope
+) -> Stream:
+    """One mode block: its body where plain, else the host's call on the stream materialized."""
+    if block_plain(host, block):
+        return mode_block_body(block, host, fusion, x, mod, rope)
+    return host.call(block, materialize(x), mod, rope)
+
+
+def mode_block_call(
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    hidden_states: torch.Tensor,
+    temb_mod: torch.Tensor,
+    rope: Rope,
+) -> torch.Tensor:
+    """A mode block as diffusers calls one, on real tensors: the body, its update materialized at the
+    block's edge, where the caller reads it."""
+    return materialize(mode_block_body(block, host, fusion, hidden_states, temb_mod, rope))
+
+
+def single_block_body(
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    c: Stream,
+    x: Stream,
+    mod: torch.Tensor,
+    mod_context: torch.Tensor,
+    rope: Rope,
+) -> tuple[Stream, Stream]:
+    """A joint single block on possibly-pending text (c) and content (x) streams: both modulated
+    norms written into one joint buffer (text first), attention and MLP on it, each stream's update
+    `stream + gate * (attn + mlp)` over its own rows left pending. Returns (text, content)."""
+    shift, scale, gate = chunk_modulation(mod)
+    c_shift, c_scale, c_gate = chunk_modulation(mod_context)
+    normed, joint = fusion.norm(PendingConcat(c, x), (c_scale, scale), (c_shift, shift), block.norm.eps)
+    text_tokens = tokens(c)
+    c, x = joint[:, :text_tokens], joint[:, text_tokens:]
+    attn_out, mlp_out = parallel_update(block, host, fusion, normed, rope)
+    return (
+        fusion.add(c, attn_out[:, :text_tokens], c_gate, update2=mlp_out[:, :text_tokens]),
+        fusion.add(x, attn_out[:, text_tokens:], gate, update2=mlp_out[:, text_tokens:]),
+    )
+
+
+def tokens(x: Stream) -> int:
+    """The token count of a stream, pending or not."""
+    if isinstance(x, PendingConcat):
+        return tokens(x.first) + tokens(x.second)
+    return (x if isinstance(x, torch.Tensor) else x.residual).shape[-2]
+
+
+def single_block_call(
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb_mod: torch.Tensor,
+    temb_mod_context: torch.Tensor,
+    rope: Rope,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A joint single block as diffusers calls one, (text, content) back, materialized."""
+    c, x = single_block_body(
+        block, host, fusion, encoder_hidden_states, hidden_states, temb_mod, temb_mod_context, rope
+    )
+    return materialize(c), materialize(x)
+
+
+def single_block(
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    c: Stream,
+    x: Stream,
+    mod: torch.Tensor,
+    mod_context: torch.Tensor,
+    rope: Rope,
+) -> tuple[Stream, Stream]:
+    """One joint single block: its body where plain, else the host's call (diffusers' keywords,
+    (text, content) back) on the streams materialized."""
+    if block_plain(host, block):
+        return single_block_body(block, host, fusion, c, x, mod, mod_context, rope)
+    return host.call(
+        block,
+        hidden_states=materialize(x),
+        encoder_hidden_states=materialize(c),
+        temb_mod=mod,
+        temb_mod_context=mod_context,
+        image_rotary_emb=rope,
+    )
+
+
+def output_norm_plain(host: Host, norm_out: nn.Module) -> bool:
+    """`Flux3AdaLayerNorm`'s body may run: it, its SiLU and its affine-free LayerNorm are plain."""
+    return (
+        host.plain(norm_out)
+        and type(norm_out.act_fn) is nn.SiLU
+        and host.plain(norm_out.act_fn)
+        and layer_norms_plain(host, norm_out, ("norm",))
+    )
+
+
+def output_norm(
+    norm_out: nn.Module, host: Host, fusion: Fusion, x: Stream, temb: torch.Tensor
+) -> torch.Tensor:
+    """`Flux3AdaLayerNorm`: its Linear on silu(temb) gives per-token (scale, shift) - scale first -
+    around the LayerNorm of a stream nothing reads afterwards: `norm(x) * (1 + scale) + shift`,
+    the kernel's products in the other order, which IEEE multiplication does not tell apart."""
+    if not output_norm_plain(host, norm_out):
+        return host.call(norm_out, materialize(x), temb)
+    scale, shift = host.linear(norm_out.linear, F.silu(temb)).chunk(2, dim=-1)
+    return fusion.output_norm(x, scale, shift, norm_out.norm.eps)
+
+
+@dataclass(frozen=True)
+class ModeInputs:
+    """One token mode's embedded rows, its two modulations (mode blocks, joint blocks) and RoPE."""
+
+    x: torch.Tensor
+    early_mod: torch.Tensor
+    single_mod: torch.Tensor
+    rope: Rope
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """What the blocks read besides the streams: the image rows' per-token time embedding (the
+    output norm's), and each mode's inputs (reference rows None without reference images)."""
+
+    image_temb: torch.Tensor
+    text: ModeInputs
+    image: ModeInputs
+    reference: ModeInputs | None
+
+
+def _mode(
+    model: nn.Module, host: Host, name: str, temb_act: torch.Tensor, x: torch.Tensor, ids: torch.Tensor
+):
+    """A mode's modulations, embedded rows and RoPE tables, modules called in diffusers' order."""
+    early = host.call(model.early_stream_modulations[name], temb_act)
+    single = host.call(model.single_stream_modulations[name], temb_act)
+    embedder = model.context_embedder if name == "txt" else model.x_embedders[name]
+    return ModeInputs(host.linear(embedder, x), early, single, host.call(model.pos_embed, ids))
+
+
+def _time_embedding(model: nn.Module, host: Host, t: torch.Tensor, embedder: nn.Module) -> torch.Tensor:
+    """`embedder(time_proj(t))` in the input dtype, as [B, 1, D]."""
+    projected = host.call(model.time_proj, t)
+    return host.call(embedder, projected.to(t.dtype))[:, None, :]
+
+
+def conditioning(
+    model: nn.Module,
+    host: Host,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    img_ids: torch.Tensor,
+    txt_ids: torch.Tensor,
+    image_cond_hidden_states: torch.Tensor | None,
+    image_cond_ids: torch.Tensor | None,
+    target_timestep: torch.Tensor | None,
+) -> Conditioning:
+    """diffusers' preamble: the image rows' time embedding at `timestep`, the text and reference
+    rows' at 0 (plus the flow map's target embedding), each expanded per token; then per mode (text,
+    image, reference) its two modulations, input projection and RoPE tables."""
+    batch, image_tokens = hidden_states.shape[:2]
+    dtype = hidden_states.dtype
+    image_temb = _time_embedding(model, host, timestep.to(dtype) * 1000, model.timestep_embedder)
+    zero_temb = _time_embedding(
+        model, host, torch.zeros(batch, device=hidden_states.device, dtype=dtype), model.timestep_embedder
+    )
+    if target_timestep is not None:
+        target_temb = _time_embedding(
+            model, host, target_timestep.to(dtype) * 1000, model.target_timestep_embedder
+        )
+        image_temb = image_temb + target_temb
+        zero_temb = zero_temb + target_temb
+    image_temb = image_temb.expand(batch, image_tokens, -1)
+    zero_temb_act = F.silu(zero_temb)
+    text_act = zero_temb_act.expand(batch, encoder_hidden_states.shape[1], -1)
+    text = _mode(model, host, "txt", text_act, encoder_hidden_states, txt_ids)
+    image = _mode(model, host, "image", F.silu(image_temb), hidden_states, img_ids)
+    reference = None
+    if image_cond_hidden_states is not None:
+        cond_act = zero_temb_act.expand(batch, image_cond_hidden_states.shape[1], -1)
+        reference = _mode(model, host, "image_cond", cond_act, image_cond_hidden_states, image_cond_ids)
+    return Conditioning(image_temb, text, image, reference)
+
+
+def _joint_rope(*modes: ModeInputs) -> Rope:
+    return torch.cat([mode.rope[0] for mode in modes]), torch.cat([mode.rope[1] for mode in modes])
+
+
+def transformer(model: nn.Module, host: Host, fusion: Fusion, cond: Conditioning) -> torch.Tensor:
+    """The blocks and the output in diffusers' order: each mode's stack (text, image, reference),
+    the joint single blocks over [text, image, reference], the output norm of the image rows and
+    the output projection. Streams stay pending between plain blocks."""
+    streams: list[Stream] = []
+    modes = [(cond.text, model.txt_mode_blocks), (cond.image, model.mode_blocks["image"])]
+    if cond.reference is not None:
+        modes.append((cond.reference, model.mode_blocks["image_cond"]))
+    for mode, blocks in modes:
+        x: Stream = mode.x
+        for block in blocks:
+            x = mode_block(block, host, fusion, x, mode.early_mod, mode.rope)
+        streams.append(x)
+    c, content = streams[0], streams[1]
+    content_mod = cond.image.single_mod
+    if cond.reference is not None:  # the content rows: image, then reference
+        content = torch.cat([materialize(content), materialize(streams[2])], dim=1)
+        content_mod = torch.cat([content_mod, cond.reference.single_mod], dim=1)
+        rope = _joint_rope(cond.text, cond.image, cond.reference)
+    else:
+        rope = _joint_rope(cond.text, cond.image)
+    for block in model.single_transformer_blocks:
+        c, content = single_block(block, host, fusion, c, content, content_mod, cond.text.single_mod, rope)
+    image_tokens = cond.image.x.shape[1]
+    if cond.reference is not None:  # the reference rows produce no output
+        content = materialize(content)[:, :image_tokens]
+    return host.linear(model.proj_out, output_norm(model.norm_out, host, fusion, content, cond.image_temb))

@@ -1,0 +1,169 @@
+"""FLUX.3 on diffusers' own modules: `enable()` on a tiny `Flux3Transformer2DModel` gives diffusers'
+output bit for bit, with every block through the family's block code (on the CPU the ops run their
+eager chains; the GPU tests check the kernels): text-to-image, reference images, the flow map,
+positional arguments, fp16, LoRA, hooks on a block, and calls diffusers rejects."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from flux2_fused.integrations.diffusers import enable
+
+from ...conftest import count_block_code
+from . import support
+
+pytest.importorskip("diffusers.models.transformers.transformer_flux3")
+attention_backend = pytest.importorskip("diffusers.models.attention_dispatch").attention_backend
+
+
+def _bodies(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    return [
+        count_block_code(monkeypatch, f"{kind}_block_body", support.FAMILY) for kind in ("mode", "single")
+    ]
+
+
+def _run(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    with torch.inference_mode(), attention_backend("native"):
+        return model(*args, **kwargs)
+
+
+def _compare(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, *args: Any, **kwargs: Any) -> None:
+    """diffusers' output, then enable()'s with every block through the block code, equal bits."""
+    expected = _run(model, *args, **kwargs)
+    handle = enable(model)
+    mode, single = _bodies(monkeypatch)
+    patched = _run(model, *args, **kwargs)
+    handle.disable()
+    expected, patched = (out[0] if isinstance(out, tuple) else out.sample for out in (expected, patched))
+    assert torch.equal(patched, expected)
+    modes = 3 if kwargs.get("image_cond_hidden_states") is not None else 2
+    assert len(mode) == modes * support.TINY["num_layers"]
+    assert len(single) == support.TINY["num_single_layers"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_text_to_image_is_diffusers_bit_for_bit(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    _compare(support.transformer(dtype=dtype), monkeypatch, **support.step_inputs(dtype=dtype))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_reference_images(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = support.step_inputs(batch=batch, references=2, txt_tokens=7)
+    _compare(support.transformer(), monkeypatch, **inputs)
+
+
+def test_flow_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    _compare(support.transformer(flow_map=True), monkeypatch, **support.step_inputs(flow_map=True))
+
+
+def test_positional_arguments_and_tuples(monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = support.step_inputs()
+    args = [
+        inputs[name] for name in ("hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids")
+    ]
+    _compare(support.transformer(), monkeypatch, *args, return_dict=False)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"image_cond_hidden_states": torch.zeros(2, 9, 16)},  # without ids
+        {"target_timestep": torch.zeros(2)},  # a model that is no flow map
+    ],
+    ids=["reference without ids", "target timestep"],
+)
+def test_a_call_diffusers_rejects_raises_diffusers_error(change: dict) -> None:
+    model = support.transformer()
+    inputs = {**support.step_inputs(), **change}
+    with pytest.raises(ValueError) as expected:
+        _run(model, **inputs)
+    enable(model)
+    with pytest.raises(ValueError) as patched:
+        _run(model, **inputs)
+    assert str(patched.value) == str(expected.value)
+
+
+def test_lora_scale_in_attention_kwargs(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    model = support.transformer()
+    model.add_adapter(
+        LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_v", "linear_in"], init_lora_weights=False)
+    )
+    _compare(model, monkeypatch, **support.step_inputs(), attention_kwargs={"scale": 0.5})
+
+
+def test_a_hooked_block_runs_its_fused_forward_under_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward hook on a mode block and on a single block: each runs the block code under its hook
+    (the hook sees real tensors), the other blocks run it from the loop."""
+    model = support.transformer()
+    seen = []
+    for block in (model.mode_blocks["image"][0], model.single_transformer_blocks[1]):
+        block.register_forward_hook(lambda module, args, out: seen.append(type(out)))
+    _compare(model, monkeypatch, **support.step_inputs())
+    assert len(seen) == 4 and torch.Tensor in seen and tuple in seen
+
+
+def test_a_block_with_a_foreign_norm_runs_diffusers_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = support.transformer()
+    model.txt_mode_blocks[0].norm.register_forward_pre_hook(lambda module, args: None)
+    expected = _run(model, **support.step_inputs()).sample
+    handle = enable(model)
+    mode, single = _bodies(monkeypatch)
+    patched = _run(model, **support.step_inputs()).sample
+    handle.disable()
+    assert torch.equal(patched, expected)
+    assert (
+        len(mode) == 2 * support.TINY["num_layers"] - 1 and len(single) == support.TINY["num_single_layers"]
+    )
+
+
+def test_torchao_int8_weight_only_linears(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantized linears (torchao int8 weight-only, bf16) are called as modules by the block code."""
+    torchao = pytest.importorskip("torchao.quantization")
+    model = support.transformer(dtype=torch.bfloat16)
+    torchao.quantize_(model, torchao.Int8WeightOnlyConfig())
+    _compare(model, monkeypatch, **support.step_inputs(dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("offload_type", ["leaf_level", "block_level"])
+def test_group_offload(offload_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """diffusers' group offloading (CPU to CPU here) wraps what it moves: the block code calls the
+    wrapped Linears and norms as modules, and a block wrapped whole runs its fused forward under the
+    offload hooks."""
+    model = support.transformer()
+    cpu = torch.device("cpu")
+    kwargs = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
+    model.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type=offload_type, **kwargs)
+    inputs = support.step_inputs()
+    expected = _run(model, **inputs).sample
+    handle = enable(model)
+    patched = _run(model, **inputs).sample
+    handle.disable()
+    assert torch.equal(patched, expected)
+
+
+def test_torch_compile_of_the_patched_transformer() -> None:
+    """torch.compile traces the patched forward in one graph: the fused sites become flux2_fused
+    operators (per-token modulation and two-term updates included), and the output is diffusers'."""
+    model = support.transformer()
+    graphs = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    inputs = support.step_inputs()
+    expected = _run(model, **inputs).sample
+    handle = enable(model)
+    torch.compiler.reset()
+    compiled = _run(torch.compile(model, fullgraph=True, backend=recording_backend), **inputs).sample
+    handle.disable()
+    torch.compiler.reset()
+    targets = {node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert torch.ops.flux2_fused.qk_norm_rope.default in targets
+    assert torch.equal(compiled, expected)

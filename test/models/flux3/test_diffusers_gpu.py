@@ -1,0 +1,75 @@
+"""FLUX.3 on the GPU: `enable()` on diffusers' Flux3Transformer2DModel gives diffusers' output bit for
+bit with every site fused (the per-token modulated norms, the two-term pending updates, the twin
+norms into the joint buffer, the fp32 QK prologue, SwiGLU, the per-token output norm), at a small
+size where every op runs and at the full FLUX.3 [klein] size at 1024x1024."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from flux2_fused.bench import flux3
+from flux2_fused.integrations.diffusers import enable
+
+from ...conftest import fused_launches
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("diffusers.models.transformers.transformer_flux3")
+
+# A mode block's sites: its modulated norm, its q/k prologue, its SwiGLU; a joint single block's: its
+# twin norms (one launch), its prologue, its SwiGLU; the output norm once.
+MODE_BLOCK_SITES = 3
+SINGLE_BLOCK_SITES = 3
+
+
+def fused_sites(model: torch.nn.Module, references: bool) -> int:
+    modes = 3 if references else 2
+    mode_blocks = modes * len(model.txt_mode_blocks)
+    return MODE_BLOCK_SITES * mode_blocks + SINGLE_BLOCK_SITES * len(model.single_transformer_blocks) + 1
+
+
+def _compare(model: torch.nn.Module, inputs: dict[str, Any], references: bool) -> None:
+    with torch.inference_mode():
+        expected = model(**inputs, return_dict=False)[0]
+        handle = enable(model)
+        patched = model(**inputs, return_dict=False)[0]
+        launches = fused_launches(lambda: model(**inputs, return_dict=False))
+        handle.disable()
+    assert torch.equal(patched.view(torch.int16), expected.view(torch.int16))
+    assert launches == fused_sites(model, references)
+
+
+@pytest.fixture(autouse=True)
+def free_gpu_memory():
+    yield
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("references", [False, True], ids=["t2i", "reference"])
+def test_small_is_diffusers_bit_for_bit_and_fused(dtype: torch.dtype, batch: int, references: bool) -> None:
+    device = torch.device("cuda")
+    model = flux3.random_transformer("flux3-small", device, dtype)
+    inputs = flux3.step_inputs(
+        "flux3-small", batch, 37 * 11, 77, dtype, width_tokens=37, reference_tokens=203 if references else 0
+    )
+    _compare(model, inputs, references)
+
+
+def test_flow_map_small() -> None:
+    device = torch.device("cuda")
+    model = flux3.random_transformer("flux3-small", device, torch.bfloat16, flow_map=True)
+    inputs = flux3.step_inputs("flux3-small", 1, 256, 64, torch.bfloat16)
+    inputs["target_timestep"] = torch.full((1,), 0.25, device="cuda", dtype=torch.bfloat16)
+    _compare(model, inputs, False)
+
+
+def test_klein_at_1024() -> None:
+    """The full FLUX.3 [klein] transformer (random weights), one bf16 step at 1024x1024."""
+    device = torch.device("cuda")
+    model = flux3.random_transformer("flux3-klein", device, torch.bfloat16)
+    inputs = flux3.step_inputs("flux3-klein", 1, 64 * 64, 512, torch.bfloat16)
+    _compare(model, inputs, False)
