@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import importlib
 import importlib.metadata
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flux2_fused.bench import denoise, plot
+from flux2_fused.bench import denoise, options, plot
 from flux2_fused.bench.classify import kernel_class
 from flux2_fused.bench.report import (
     INACTIVE,
@@ -192,6 +193,45 @@ def test_the_cpu_warm_up_says_both_modes_are_eager(tiny_run: dict) -> None:
     warmup = next(line for line in tiny_run["err"].splitlines() if "warm-up step, fused" in line)
     assert warmup.endswith(" (the fast path is off here: the same eager PyTorch as the eager mode)")
     assert "builds or loads" not in tiny_run["err"]
+
+
+@no_cuda
+def test_the_cpu_run_says_how_to_read_its_figures(tiny_run: dict) -> None:
+    """Both modes ran eager: the spread of the timed steps and what steadies them, what the site
+    columns split, and why the op counts differ."""
+    report = json.loads(tiny_run["json"].read_text())
+    notes = [
+        line.removeprefix("note: ") for line in tiny_run["out"].splitlines() if line.startswith("note: ")
+    ]
+    noise, columns, *counts = notes
+    assert noise.startswith("both modes ran the same eager code, so the gap between their medians is noise")
+    for mode in MODES:
+        times = report[mode]["step_ms"]
+        assert f"{min(times):.1f}-{max(times):.1f} ms ({mode})" in noise
+    assert f"on {torch.get_num_threads()} CPU threads" in noise and "OMP_NUM_THREADS=1" in noise
+    assert "more --steps" in noise
+    assert columns.startswith("the fused, norm, elementwise, other ms columns split one more step, run under")
+    assert f"{sum(report['eager']['site_ms'].values()):.2f} ms eager" in columns
+    eager, fused = report["eager"]["launches_per_step"], report["fused"]["launches_per_step"]
+    if eager == fused:
+        assert counts == []
+    else:
+        assert counts == [
+            f"aten ops/step differ ({eager} eager, {fused} fused) though both ran eager: the fused mode's "
+            "code writes each single block's attention and MLP outputs into the halves of one buffer "
+            "(empty, copy_) where eager concatenates them (cat); the arithmetic is the same"
+        ]
+
+
+def test_an_active_gpu_run_needs_no_reading_notes(tiny_run: dict) -> None:
+    data = json.loads(tiny_run["json"].read_text())
+    modes = {mode: ModeResult(**data.pop(mode)) for mode in MODES}
+    report = BenchReport(**data, **modes)
+    active = dataclasses.replace(report, gpu="NVIDIA H200", fused_active=True, speedup_pct=30.0)
+    assert denoise.reading_notes(active) == []
+    inactive = denoise.reading_notes(dataclasses.replace(report, gpu="NVIDIA H200"))
+    assert inactive[0].startswith("both modes ran the same eager code") and "CPU threads" not in inactive[0]
+    assert not any("profiler" in note for note in inactive)  # a GPU's columns are kernel time
 
 
 @no_cuda
@@ -383,11 +423,12 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
     [
         (
             ["bench", "--config", "klein4b"],
-            "argument --config: invalid choice: 'klein4b' (choose from dev, klein-4b, klein-9b, tiny)",
+            "argument --config/--configs: invalid choice: 'klein4b' (choose from dev, klein-4b, klein-9b, "
+            "tiny)",
         ),
         (
             ["bench", "--config", "tiny", "--weights", "w"],
-            "argument --weights: not allowed with argument --config",
+            "argument --weights: not allowed with argument --config/--configs",
         ),
         (["bench", "--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["bench", "--steps", "two"], "argument --steps: invalid int value: 'two'"),
@@ -396,11 +437,11 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
             "argument --dtype: invalid choice: 'fp8' (choose from bf16, fp16, fp32)",
         ),
         (
-            ["step", "--configs", "tiny"],
-            "argument --configs: invalid choice: 'tiny' "
-            "(choose from dev, klein-4b, klein-9b, flux1-dev, flux1-schnell)",
+            ["step", "--config", "tiny"],
+            "argument --config/--configs: invalid choice: 'tiny' "
+            "(choose from dev, klein-4b, klein-9b, flux1-dev, flux1-schnell, flux3-klein, flux3-klein-flow)",
         ),
-        (["step", "--configs"], "argument --configs: expected at least one argument"),
+        (["step", "--configs"], "argument --config/--configs: expected at least one argument"),
         (
             ["step", "--sizes", "1024"],
             "argument --sizes: '1024' is not WIDTHxHEIGHT in pixels, e.g. 1360x768",
@@ -419,8 +460,8 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
             "argument --host: invalid choice: 'comfy' (choose from package, diffusers)",
         ),
         (
-            ["pipeline", "--configs", "klein-8b"],
-            "argument --configs: invalid choice: 'klein-8b' "
+            ["pipeline", "--config", "klein-8b"],
+            "argument --config/--configs: invalid choice: 'klein-8b' "
             "(choose from klein-4b, klein-9b, dev, flux1-dev, flux1-schnell)",
         ),
         (
@@ -488,13 +529,71 @@ def test_debug_shows_the_traceback_with_the_same_exit_status(tmp_path: Path, deb
     assert re.search(rf"^{raised}: .*does not exist", err, re.MULTILINE), err
 
 
+VERIFY_HEAD = "flux2-fused verify: no CUDA GPU here, so no self-check; each op's module would come from:"
+
+
+def _module_rows(out: str) -> dict[str, str]:
+    """`verify`'s table without a GPU: op -> where its module would come from."""
+    rows = dict(re.findall(r"^\| (\w+) \| (.*) \|$", out, re.MULTILINE))
+    assert rows.pop("op") == "module on a CUDA GPU"
+    return rows
+
+
 @no_cuda
 @pytest.mark.parametrize("debug", [[], ["--debug"]], ids=["plain", "debug"])
-def test_verify_without_cuda_exits_2_with_or_without_debug(debug: list[str]) -> None:
+def test_verify_without_cuda_says_where_modules_come_from_then_exits_2(debug: list[str]) -> None:
     code, out, err = run_cli([*debug, "verify"])
-    assert code == 2 and out == ""
+    assert code == 2 and out.splitlines()[0] == VERIFY_HEAD
+    assert list(_module_rows(out)) == [op.name for op in OPS]
     assert err.strip().splitlines()[-1].endswith("verify needs a CUDA GPU and none is available")
     assert ("Traceback" in err) == bool(debug)
+
+
+@no_cuda
+@pytest.mark.parametrize("toolkit", [False, True], ids=["no-toolkit", "toolkit"])
+def test_verify_without_cuda_shows_the_installed_bundle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, toolkit: bool
+) -> None:
+    """The wheel just built and installed, on a machine without a GPU: the bundle's architectures from
+    its manifest for each op it holds from these sources; a module built from other sources, or none,
+    is not counted, and the op falls to the JIT build or to none."""
+    folder = tmp_path / "prebuilt"
+    folder.mkdir()
+    modules = {}
+    for op, sources in zip(OPS[:3], ["same", "same", "0" * 64], strict=True):
+        (folder / op.spec.library).write_bytes(b"module")
+        digest = jit.source_digest(op.spec) if sources == "same" else sources
+        modules[op.name] = {
+            "library": op.spec.library,
+            "sources": digest,
+            "archs": ["9.0", "10.0"],
+            "ptx": "10.0",
+        }
+    (folder / jit.BUNDLE_MANIFEST).write_text(json.dumps({"modules": modules}))
+    monkeypatch.setattr(jit, "BUNDLE_DIR", folder)
+    monkeypatch.setattr(jit, "loader_reason", lambda: None)
+    monkeypatch.setattr(jit, "toolchain_reason", lambda: None if toolkit else "nvcc not found")
+    monkeypatch.setattr(jit, "find_nvcc", lambda: "/opt/cuda/bin/nvcc")
+    monkeypatch.setenv(jit.CACHE_ENV, str(tmp_path / "cache"))
+    code, out, err = run_cli(["verify"])
+    assert code == 2 and err == "flux2-fused: error: verify needs a CUDA GPU and none is available\n"
+    built = f"a JIT build with nvcc at /opt/cuda/bin/nvcc (cached in {tmp_path / 'cache'})"
+    fallback = built if toolkit else "none: no bundled module, and nvcc not found"
+    bundled = [f"bundled ({op.spec.library}): sm 9.0 10.0, PTX 10.0 for newer GPUs" for op in OPS[:2]]
+    assert _module_rows(out) == {
+        OPS[0].name: f"{bundled[0]}, else {built}" if toolkit else bundled[0],
+        OPS[1].name: f"{bundled[1]}, else {built}" if toolkit else bundled[1],
+        OPS[2].name: fallback,  # its bundled module was built from other sources
+        OPS[3].name: fallback,  # not in the bundle
+    }
+
+
+@no_cuda
+def test_verify_without_cuda_or_tvm_ffi_says_why_no_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jit, "loader_reason", lambda: "apache-tvm-ffi is not installed")
+    code, out, _err = run_cli(["verify"])
+    assert code == 2
+    assert set(_module_rows(out).values()) == {"none: apache-tvm-ffi is not installed"}
 
 
 @pytest.mark.parametrize(
@@ -567,13 +666,83 @@ def test_unusable_output_paths_fail_before_the_run(tmp_path: Path, make_args, me
 def test_output_in_a_read_only_folder_fails_before_the_run(tmp_path: Path) -> None:
     folder = tmp_path / "read-only"
     folder.mkdir(mode=0o500)
-    assert_refused_before_the_run(["--json", str(folder / "r.json")], f"cannot write in folder {folder}")
+    assert_refused_before_the_run(
+        ["--json", str(folder / "r.json")], f"cannot create a file in folder {folder} (permission denied)"
+    )
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux's /proc")
-def test_output_in_proc_fails_before_the_run() -> None:
-    """/proc takes no new files, even from root: an unwritable folder wherever the tests run."""
-    assert_refused_before_the_run(["--json", "/proc/r.json"], "cannot write in folder /proc")
+@pytest.mark.parametrize("command", ["bench", "step", "pipeline", "kernel"])
+def test_output_in_proc_fails_before_the_run(command: str) -> None:
+    """/proc takes no new files, even from root: an unwritable folder wherever the tests run. It
+    exists, so the error must not say "No such file or directory" (what creating a file there gives)."""
+    code, out, err = run_cli([command, "--json", "/proc/nope.json"])
+    assert (code, out) == (2, "")
+    assert err == (
+        "flux2-fused: error: --json /proc/nope.json: cannot create a file in folder /proc "
+        "(its file system takes no new files)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("error", "why"),
+    [
+        (errno.EACCES, "permission denied"),
+        (errno.EROFS, "read-only file system"),
+        (errno.ENOENT, "its file system takes no new files"),
+        (errno.ENOSPC, os.strerror(errno.ENOSPC)),
+    ],
+    ids=["access", "read-only", "virtual", "other"],
+)
+def test_a_refused_output_folder_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int, why: str
+) -> None:
+    """What the system answers when a file is created in an existing folder, in words (as root too,
+    which a folder's mode does not stop)."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(options.tempfile, "NamedTemporaryFile", refuse)
+    target = tmp_path / "r.json"
+    assert_refused_before_the_run(
+        ["--json", str(target)], f"--json {target}: cannot create a file in folder {tmp_path} ({why})"
+    )
+
+
+@pytest.mark.parametrize("below", ["out.json", "sub/out.json"], ids=["in-a-file", "under-a-file"])
+@pytest.mark.parametrize("command", ["bench", "step", "pipeline", "kernel"])
+def test_output_under_a_file_says_the_file_is_in_the_way(tmp_path: Path, command: str, below: str) -> None:
+    """FILE/out.json, FILE a regular file: the folder is not missing, a file stands where it should be."""
+    blocker = tmp_path / "report"
+    blocker.write_text("not a folder")
+    target = blocker / below
+    code, out, err = run_cli([command, "--json", str(target)])
+    assert (code, out) == (2, "")
+    assert err == f"flux2-fused: error: --json {target}: {blocker} is a file, not a folder\n"
+
+
+def test_plot_under_a_file_is_refused_too(tmp_path: Path) -> None:
+    blocker = tmp_path / "plots"
+    blocker.write_text("")
+    assert_refused_before_the_run(["--plot", str(blocker / "p.png")], f"{blocker} is a file, not a folder")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="needs a non-root user (root can write a file of mode 0400)")
+def test_an_existing_read_only_output_file_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "r.json"
+    target.write_text("{}")
+    target.chmod(0o400)
+    assert_refused_before_the_run(["--json", str(target)], f"cannot write {target} (permission denied)")
+
+
+def test_an_existing_output_file_is_kept_until_the_run_writes_it(tmp_path: Path) -> None:
+    """The check of an existing file opens it for appending and writes nothing."""
+    target = tmp_path / "r.json"
+    target.write_text("old")
+    code, _out, err = run_cli(["bench", *TINY_ARGS, "--steps", "0", "--json", str(target)])
+    assert code == 2 and "--steps must be at least 1" in err
+    assert target.read_text() == "old"
 
 
 def test_the_path_written_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -630,11 +799,12 @@ def test_default_config_follows_free_memory() -> None:
 @pytest.mark.parametrize(
     "command",
     [
-        ["verify"],
         ["kernel"],
         ["kernel", "--shapes", "6144x4608"],
         ["step"],
         ["step", "--configs", "dev"],
+        ["step", "--config", "dev", "--text-tokens", "77"],
+        ["pipeline", "--config", "dev", "--txt-tokens", "77"],
         ["step", "--host", "diffusers", "--lora", "4", "--offload", "group"],
         ["pipeline"],
     ],
@@ -664,6 +834,37 @@ def test_every_option_has_help(command: str) -> None:
 def test_step_help() -> None:
     code, out, _err = run_cli(["step", "--help"])
     assert code == 0 and out.startswith("usage: flux2-fused step") and "--compile" in out
+
+
+def _help(args: list[str]) -> str:
+    """A --help text with argparse's line wrapping undone."""
+    code, out, _err = run_cli([*args, "--help"])
+    assert code == 0
+    return " ".join(out.split())
+
+
+def test_help_speaks_of_the_product_as_it_is() -> None:
+    """Both families, four ops, every pipeline the pipeline benchmark calls."""
+    assert "Bit-exact fused CUDA kernels for FLUX.2 and FLUX.1 transformers" in _help([])
+    verify = _help(["verify"])
+    assert all(op in verify for op in options.KERNEL_OPS) and "the fused kernel " not in verify
+    assert "where each op's module came from" in verify and "without a GPU" in verify
+    pipeline = _help(["pipeline"])
+    assert all(name in pipeline for name in ("Flux2KleinPipeline", "Flux2Pipeline (dev)", "FluxPipeline"))
+
+
+@pytest.mark.parametrize("command", ["bench", "step", "pipeline"])
+@pytest.mark.parametrize("config", options.CONFIG_OPTION)
+@pytest.mark.parametrize("tokens", options.TEXT_TOKENS_OPTION)
+def test_every_benchmark_takes_both_spellings(command: str, config: str, tokens: str) -> None:
+    """`--config` and `--text-tokens` on every benchmark, `--configs` and `--txt-tokens` (the spelling
+    step and pipeline had) too, each setting what the command reads."""
+    args = build_parser()[1][command].parse_args([config, "klein-4b", tokens, "77"])
+    if command == "bench":
+        assert (args.config, args.text_tokens) == ("klein-4b", 77)
+    else:
+        assert (args.configs, args.txt_tokens) == (["klein-4b"], 77)
+    assert f"{config} NAME" in _help([command])
 
 
 def _fresh_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -705,6 +906,31 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
             ["step", "--configs", "klein-4b", "flux1-dev"],
             None,
             "flux1-dev: FLUX.1 has no model of the package's own; run it with --host diffusers",
+        ),
+        (
+            ["step", "--config", "flux3-klein", "flux1-dev"],
+            None,
+            "flux3-klein, flux1-dev: FLUX.1 and FLUX.3 have no model of the package's own; run it with "
+            "--host diffusers",
+        ),
+        (
+            ["step", "--host", "diffusers", "--config", "flux3-klein", "--reference-tokens", "-1"],
+            None,
+            "--reference-tokens must be at least 0, got -1",
+        ),
+        (
+            [
+                "step",
+                "--host",
+                "diffusers",
+                "--config",
+                "flux3-klein",
+                "klein-4b",
+                "--reference-tokens",
+                "64",
+            ],
+            None,
+            "--reference-tokens: reference images are FLUX.3's, not klein-4b's",
         ),
         (["step", "--offload", "model"], None, "--lora, --offload and --quantize apply to --host diffusers"),
         (["step", "--quantize", "int8"], None, "--lora, --offload and --quantize apply to --host diffusers"),
@@ -772,11 +998,11 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         (["step", "--host", "diffusers", "--quantize", "int8"], "no torchao", "--quantize needs torchao"),
         (["pipeline", "--height", "1000"], None, "--height 1000 is not a positive multiple of 16"),
         (["pipeline", "--pairs", "0"], None, "--pairs must be at least 1, got 0"),
-        (["pipeline", "--txt-tokens", "0"], None, "--txt-tokens must be at least 1, got 0"),
+        (["pipeline", "--txt-tokens", "0"], None, "--text-tokens must be at least 1, got 0"),
         (["pipeline"], "no diffusers", "the pipeline benchmark: diffusers is not installed"),
         (["step", "--batch", "0"], None, "--batch must be at least 1, got 0"),
         (["step", "--img-tokens", "0"], None, "--img-tokens must be at least 1, got 0"),
-        (["step", "--txt-tokens", "-5"], None, "--txt-tokens must be at least 1, got -5"),
+        (["step", "--txt-tokens", "-5"], None, "--text-tokens must be at least 1, got -5"),
         (["step", "--json", "/no-such-folder/s.json"], None, "folder /no-such-folder does not exist"),
         (["pipeline", "--json", "/no-such-folder/p.json"], None, "folder /no-such-folder does not exist"),
         (
@@ -801,6 +1027,9 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     ids=[
         "lora-without-diffusers-host",
         "flux1-on-the-package-host",
+        "flux3-and-flux1-on-the-package-host",
+        "negative-reference-tokens",
+        "reference-tokens-without-flux3",
         "offload-without-diffusers-host",
         "quantize-without-diffusers-host",
         "lora-rank",

@@ -1,5 +1,7 @@
-"""The README's code runs as written: the "Use it" snippet (on the CPU with the tiny config it selects
-there) and the diffusers snippet (on a tiny random Klein pipeline in place of the Hub model)."""
+"""The README's code runs as written: the package's own model snippet (on the CPU with the tiny config
+it selects there) and the diffusers snippet (on a tiny random Klein pipeline in place of the Hub
+model). Its first screen leads a newcomer from a correct install (CPU torch first) to the main job
+and `enable(pipe)`; its test command is the one CI runs; its links resolve."""
 
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ def _python_blocks(text: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, re.DOTALL)
 
 
-def test_use_it_snippet_runs() -> None:
+def test_own_model_snippet_runs() -> None:
     text = README.read_text(encoding="utf-8")
-    section = text[text.index("## Use it") :]
+    section = text[text.index("## The package's own model") :]
     snippet = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert snippet is not None
     printed = io.StringIO()
@@ -107,3 +109,56 @@ def test_diffusers_snippet_runs_and_matches_the_pipeline_alone(
     assert fused["image"].size == (64, 64)
     assert len(decoded) == 2 and torch.equal(decoded[0], decoded[1])
     assert fused["image"].tobytes() == alone["image"].tobytes()
+
+
+def _headings(text: str) -> list[str]:
+    return re.findall(r"^## (.+)$", text, re.MULTILINE)
+
+
+def test_the_first_screen_installs_then_runs_the_main_job_then_enable() -> None:
+    """A newcomer's order: what it is, install, the main job, `enable(pipe)`, what is supported; the
+    CPU build of torch before the first `pip install .`, so a machine without a GPU never fetches the
+    CUDA build; build internals (auditwheel, the wheel's contents) only in docs/install.md."""
+    text = README.read_text(encoding="utf-8")
+    headings = _headings(text)
+    order = ["Install", "The main job: `flux2-fused bench`", "diffusers: `enable(pipe)`", "Supported"]
+    assert [h for h in headings if h in order] == order and headings[0] == "Install"
+    cpu_torch = text.index("pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    assert cpu_torch < text.index("pip install .") < text.index("flux2-fused bench")
+    assert text.count("\n", 0, text.index("handle = enable(pipe)")) < 100
+    for internal in ("auditwheel", "libtvm_ffi", "libcudart", "R580"):
+        assert internal not in text, internal
+
+
+def test_the_test_command_is_the_one_ci_runs() -> None:
+    """CI (.ci/run) installs the test extra and runs `python -m pytest -q test`: the README says so,
+    with how long it takes and what it leaves behind."""
+    text = README.read_text(encoding="utf-8")
+    assert "pip install -e '.[test]' && python -m pytest -q test" in text
+    ci = (README.parent / ".ci" / "run").read_text(encoding="utf-8")
+    assert "pip install -q -e '.[test]'" in ci and "\npython -m pytest -q test\n" in ci
+    flat = " ".join(text.split())
+    assert "about 10 minutes on 2 CPU cores" in flat
+    assert "about 44 MB of bundled `.so` files under `build/` (git-ignored; `rm -rf build` to clean)" in flat
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize(
+    "page", [README, *sorted((README.parent / "docs").glob("*.md"))], ids=lambda page: page.name
+)
+def test_relative_links_resolve(page: Path) -> None:
+    """Every link to a file of the repository names one that exists, and its #anchor a heading there."""
+    text = page.read_text(encoding="utf-8")
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        assert file.exists(), f"{page.name}: {target}"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", file.read_text(encoding="utf-8"), re.MULTILINE)
+            assert anchor in {_slug(h) for h in headings}, f"{page.name}: {target}"

@@ -6,23 +6,28 @@
     flux2-fused bench --parallel ulysses=2|ring=2|tp=2 [--config NAME] [--steps N] [--json FILE] ...
                                       one step under diffusers' multi-GPU plans, alone vs enable()
                                       (flux2_fused.bench.parallel; starts torchrun)
-    flux2-fused step [--configs NAME ...] [--steps N] [--compile] [--host package|diffusers] [--lora R]
+    flux2-fused step [--config NAME ...] [--steps N] [--compile] [--host package|diffusers] [--lora R]
                      [--offload none|model|group] [--json FILE] ...
                                       one denoise step, eager vs fused (flux2_fused.bench.step)
-    flux2-fused pipeline [--configs NAME ...] [--pairs N] [--steps N] [--json FILE] ...
-                                      a diffusers Flux2KleinPipeline call, alone vs enable(pipe)
-                                      (flux2_fused.bench.pipeline)
-    flux2-fused kernel [--shapes DxT ...] [--json FILE] ...
+    flux2-fused pipeline [--config NAME ...] [--pairs N] [--steps N] [--json FILE] ...
+                                      a diffusers FLUX pipeline call (Flux2KleinPipeline, Flux2Pipeline,
+                                      FluxPipeline), alone vs enable(pipe) (flux2_fused.bench.pipeline)
+    flux2-fused kernel [--op OP] [--shapes AxT ...] [--json FILE] ...
                                       one fused site, eager vs fused (flux2_fused.bench.kernel)
-    flux2-fused verify                the kernel's bit-exactness self-check on this GPU
+    flux2-fused verify                every op's bit-exactness self-check on this GPU, and where each
+                                      op's module comes from (without a GPU: only the latter, exit 2)
     flux2-fused build [--arch 9.0 ...]  compile the kernels (no GPU needed) and print the libraries
+
+`--config` and `--text-tokens` are spelt alike on every command; `--configs` and `--txt-tokens`, the
+spelling `step` and `pipeline` had, are accepted too.
 
 This module imports no torch, so `--help` and usage errors answer at once: the benchmarks' options
 are declared in `flux2_fused.bench.options` (torch-free too), and the work, in
 `flux2_fused.commands`, is imported only once the arguments parse.
 
-Every command checks all its arguments and output paths before it looks at the machine (a CUDA GPU,
-memory, the CPU's speed, optional packages), so a wrong option is reported as such anywhere. Every
+Every command checks all its arguments and output paths (those as they are parsed:
+`options.OutputFile`) before it looks at the machine (a CUDA GPU, memory, the CPU's speed, optional
+packages), so a wrong option is reported as such anywhere. Every
 failure is one line on stderr, `flux2-fused: error: ...` (`--debug` prints the traceback instead,
 with the same exit status), and the exit status says whose it is:
     0  success
@@ -50,7 +55,11 @@ PROG = options.PROG
 
 def build_parser() -> tuple[Parser, dict[str, Parser]]:
     """The top-level parser and its subcommand parsers by name."""
-    parser = Parser(prog=PROG, description="Lossless fused kernels for FLUX.2: benchmark, verify, build.")
+    parser = Parser(
+        prog=PROG,
+        description="Bit-exact fused CUDA kernels for FLUX.2 and FLUX.1 transformers: benchmark, verify, "
+        "build.",
+    )
     parser.add_argument(
         "--debug",
         action="store_true",
@@ -97,8 +106,9 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     options.add_pipeline_arguments(
         add(
             "pipeline",
-            "a diffusers Flux2KleinPipeline call (CFG, VAE decode), alone vs enable(pipe), images compared "
-            "(CUDA GPU)",
+            "a diffusers pipeline call, alone vs enable(pipe), images compared: Flux2KleinPipeline "
+            "(klein-4b, klein-9b; CFG), Flux2Pipeline (dev), FluxPipeline (flux1-dev, flux1-schnell); VAE "
+            "decode included (CUDA GPU)",
             fields("PipelineResult"),
         )
     )
@@ -109,8 +119,13 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
             fields("KernelReport"),
         )
     )
-    add("verify", "bit-exactness self-check of the fused kernel on this GPU")
-    build = add("build", "compile the kernels (nvcc, no GPU needed) and print the libraries")
+    add(
+        "verify",
+        f"every fused op's bit-exactness self-check on this GPU ({', '.join(options.KERNEL_OPS)}), with "
+        "where each op's module came from (bundled in the wheel, the cache, built now); without a GPU, "
+        "where each would come from, then exit status 2",
+    )
+    build = add("build", "compile every op's kernel (nvcc, no GPU needed) and print the libraries")
     build.add_argument(
         "--arch",
         nargs="+",

@@ -2,12 +2,14 @@
 
 `bench` plans, runs, prints and writes the denoise benchmark; `step`, `pipeline` and `kernel` run
 their benchmarks on a CUDA GPU; `verify` runs every op's bit-exactness self-check for the configurations
-the op lists (`ops.OPS`); `build` compiles every op's kernel without a GPU. They sit here, outside
+the op lists (`ops.OPS`), and without a GPU says where each op's module would come from; `build`
+compiles every op's kernel without a GPU. They sit here, outside
 `bench`, so that the benchmarks and the plot never import each other and the command line only
 parses (and imports no torch: cli imports this module once the arguments parse).
 
-Each command checks all its arguments and output paths first, then the machine (a CUDA GPU, memory,
-the CPU's speed, optional packages), then works: a wrong option is reported as such on any machine.
+Each command checks all its arguments and output paths first (the paths as they are parsed,
+`options.OutputFile`), then the machine (a CUDA GPU, memory, the CPU's speed, optional packages),
+then works: a wrong option is reported as such on any machine.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from pathlib import Path
 import torch
 
 from .bench import denoise, kernel, parallel, pipeline, plot, step
+from .bench.options import check_output, folder_problem
 from .bench.report import (
     ParallelResult,
     VerifyRow,
-    check_output,
     format_parallel_table,
     format_summary,
     format_verify,
+    markdown_table,
     write_json,
 )
 from .errors import BadValue, CommandError, NeedsCuda
@@ -93,8 +96,8 @@ def bench_command(
     allow_slow: bool = False,
 ) -> int:
     """`flux2-fused bench`: the arguments (output paths, then the plan), the machine (matplotlib for
-    --plot, the CPU's memory and speed), then run, print the summary, write the files; 1 when not
-    bit-exact."""
+    --plot, the CPU's memory and speed), then run, print the summary and how to read it where it could
+    mislead (`denoise.reading_notes`), write the files; 1 when not bit-exact."""
     check_output("--json", json_path)
     check_output("--plot", plot_path, suffix=".png")
     p = denoise.check_cpu_run(denoise.plan(request), allow_slow)
@@ -104,6 +107,8 @@ def bench_command(
         print(f"flux2-fused: {note}", file=sys.stderr)
     report = denoise.run(p)
     print(format_summary(report))
+    for note in denoise.reading_notes(report):
+        print(f"note: {note}")
     if json_path is not None:
         write_json(asdict(report), json_path)
         print(f"flux2-fused: wrote {json_path.resolve()}", file=sys.stderr)
@@ -128,7 +133,6 @@ def parallel_command(request: denoise.BenchRequest, args: argparse.Namespace) ->
             raise BadValue(
                 f"--parallel does not take {option} (it times random weights of a --config preset)"
             )
-    check_output("--json", args.json)
     if parallel.under_torchrun():
         parallel.use_local_device()
     p = denoise.plan(request)
@@ -203,8 +207,46 @@ def verify_kernels() -> list[VerifyRow]:
     return rows
 
 
+def _bundled(op_name: str, spec: jit.KernelSpec) -> str | None:
+    """What the installed bundle holds for an op, from its manifest: the library and the architectures
+    it runs on (those `jit.bundled_library` takes it for: same sources, file present); None for none."""
+    entry = jit._bundle_manifest(jit.BUNDLE_DIR).get("modules", {}).get(op_name)
+    if not isinstance(entry, dict) or not isinstance(entry.get("archs"), list):
+        return None
+    archs = [str(arch) for arch in entry["archs"] if jit.bundled_library(spec, str(arch)) is not None]
+    if not archs:
+        return None
+    ptx = f", PTX {entry['ptx']} for newer GPUs" if entry.get("ptx") else ""
+    return f"bundled ({entry['library']}): sm {' '.join(archs)}{ptx}"
+
+
+def planned_sources() -> dict[str, str]:
+    """Where each op's module would come from on a GPU, said without one: the wheel's bundle (its
+    architectures, from the manifest), else a JIT build with the local nvcc, else none and why; the
+    loader's order (`jit.module_source`), for no GPU in particular. So a machine without a GPU still
+    shows whether the wheel just built and installed is the one in use."""
+    loader = jit.loader_reason()
+    if loader is not None:
+        return {op.name: f"none: {loader}" for op in OPS}
+    toolchain = jit.toolchain_reason()
+    built = (
+        None if toolchain else f"a JIT build with nvcc at {jit.find_nvcc()} (cached in {jit.cache_root()})"
+    )
+    sources = {}
+    for op in OPS:
+        ways = [way for way in (_bundled(op.name, op.spec), built) if way is not None]
+        sources[op.name] = ", else ".join(ways) if ways else f"none: no bundled module, and {toolchain}"
+    return sources
+
+
 def verify_command() -> int:
-    """`flux2-fused verify`: print the self-check table; 1 when any configuration fails."""
+    """`flux2-fused verify`: print the self-check table; 1 when any configuration fails. Without a GPU,
+    where each op's module would come from, then NeedsCuda (exit status 2: nothing to check here)."""
+    if not torch.cuda.is_available():
+        table = markdown_table(["op", "module on a CUDA GPU"], list(planned_sources().items()))
+        print("flux2-fused verify: no CUDA GPU here, so no self-check; each op's module would come from:")
+        print(table)
+        require_cuda("verify")  # raises NeedsCuda: exit status 2, nothing to check here
     rows = verify_kernels()
     print(format_verify(rows, torch.cuda.get_device_name(), torch.__version__))
     return 0 if all(r.passed for r in rows) else 1
@@ -263,8 +305,9 @@ def bundle_command(folder: Path, arch_texts: Sequence[str] | None = None) -> int
     archs = [parse_arch(text) for text in arch_texts] if arch_texts else list(bundle.ARCHS)
     if folder.exists() and not folder.is_dir():
         raise BadValue(f"--bundle {folder} is a file; give a folder")
-    if not folder.parent.is_dir():
-        raise BadValue(f"--bundle {folder}: folder {folder.parent} does not exist")
+    problem = folder_problem(folder.parent)
+    if problem is not None:
+        raise BadValue(f"--bundle {folder}: {problem}")
     start = time.perf_counter()
     manifest = bundle.build_bundle(folder, archs=archs, ptx=max(archs, key=jit.arch_tuple))
     for name, entry in manifest["modules"].items():

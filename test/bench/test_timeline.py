@@ -62,7 +62,7 @@ def test_analyze_without_launches_or_activities() -> None:
         (["--steps", "0"], "--steps must be at least 1 and --largest at least 0"),
         (["--largest", "-1"], "--steps must be at least 1 and --largest at least 0"),
         (["--size", "1000x1000"], "argument --size: 1000x1000: 1000 is not a positive multiple of 16"),
-        (["--configs", "klein"], "argument --configs: invalid choice: 'klein'"),
+        (["--configs", "klein"], "argument --config/--configs: invalid choice: 'klein'"),
         (["--configs", "flux1-dev"], "flux1-dev: FLUX.1 has no model of the package's own; run it with"),
     ],
 )

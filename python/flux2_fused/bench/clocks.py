@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from .options import STEP_CONFIGS, no_package_model, tool_parser
+from .options import STEP_CONFIGS, add_configs_argument, no_package_model, tool_parser
 from .report import markdown_table
 
 # nvidia-smi's clock-event reason bits (nvmlClocksEventReasons).
@@ -257,9 +257,7 @@ def run_blocks(
 
 def main(argv: list[str] | None = None) -> int:
     parser = tool_parser("clocks", __doc__)
-    parser.add_argument(
-        "--configs", nargs="+", default=["klein-4b"], choices=STEP_CONFIGS, help="default klein-4b"
-    )
+    add_configs_argument(parser, STEP_CONFIGS, ["klein-4b"])
     parser.add_argument("--host", choices=("package", "diffusers"), default="package")
     parser.add_argument("--blocks", type=int, default=6, help="blocks of steps, the modes taking turns")
     parser.add_argument(

@@ -24,8 +24,10 @@ kernels, `ops.FUSED_KERNELS`), `norm` (LayerNorm / RMSNorm kernels), `elementwis
 elementwise kernels, among them the gated adds and modulations the fused kernels replace) and
 `other` (GEMMs, attention, copies, ...). On the CPU the same split is made over
 aten ops (self CPU time by op name) and the launch count is the number of aten ops, nested ones
-included. Verdict: the final latents of the two loops are bit-exact when `torch.equal` holds and
-their bytes have the same SHA-256.
+included; where the fast path is off the fused mode still counts a few more, as its single blocks
+write their two halves into one buffer where eager calls `cat` (`reading_notes` says so under the
+summary, with the spread of the timed steps). Verdict: the final latents of the two loops are
+bit-exact when `torch.equal` holds and their bytes have the same SHA-256.
 
 The report's figures (and JSON fields) are documented on `report.BenchReport`; the command that
 plans, runs, prints and writes them is `flux2_fused.commands.bench_command`.
@@ -543,3 +545,45 @@ def run(p: Plan, log: TextIO | None = None) -> BenchReport:
         build_s=build_s,
         total_s=time.perf_counter() - started,
     )
+
+
+def reading_notes(r: BenchReport) -> list[str]:
+    """How to read a run's figures where they would mislead, printed under the summary: without the
+    fast path both modes ran the same eager code, so their gap is noise (its spread given, with what
+    steadies it on a CPU); on the CPU the per-site columns are one profiled step's op self time, with
+    the profiler's overhead, not a split of the median; and the op counts of the two modes differ by
+    the fused code path's single-block buffer, not by any arithmetic."""
+    notes = []
+    cpu = r.gpu is None
+    if not r.fused_active:
+        spread = " and ".join(
+            f"{min(m.step_ms):.1f}-{max(m.step_ms):.1f} ms ({mode})"
+            for mode, m in (("eager", r.eager), ("fused", r.fused))
+        )
+        note = (
+            f"both modes ran the same eager code, so the gap between their medians is noise: the "
+            f"{r.steps} timed steps a mode took {spread}"
+        )
+        if cpu:
+            note += (
+                f", on {torch.get_num_threads()} CPU threads; on a small or shared CPU, OMP_NUM_THREADS=1 "
+                "(torch.set_num_threads(1) in Python) often steadies them, and more --steps steady the "
+                "medians"
+            )
+        notes.append(note)
+    if cpu:
+        sums = " and ".join(
+            f"{sum(m.site_ms.values()):.2f} ms {mode}" for mode, m in (("eager", r.eager), ("fused", r.fused))
+        )
+        notes.append(
+            f"the {', '.join(SITES)} ms columns split one more step, run under the profiler (aten op self "
+            f"time, {sums} in all, the profiler's overhead included), not the median step"
+        )
+    if not r.fused_active and r.eager.launches_per_step != r.fused.launches_per_step:
+        notes.append(
+            f"{r.launch_unit}/step differ ({r.eager.launches_per_step} eager, {r.fused.launches_per_step} "
+            "fused) though both ran eager: the fused mode's code writes each single block's attention and "
+            "MLP outputs into the halves of one buffer (empty, copy_) where eager concatenates them (cat); "
+            "the arithmetic is the same"
+        )
+    return notes

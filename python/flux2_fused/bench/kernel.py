@@ -41,7 +41,7 @@ from ..ops import bits_equal, gelu_tanh, qk_norm_rope, swiglu
 from ..ops.gated_resnorm import gated_resnorm, gated_resnorm_decline_reason, gated_resnorm_reference
 from ..ops.qk_norm_rope.selfcheck import HEAD_DIM, rope_tables
 from .options import require_at_least_one
-from .report import KernelReport, KernelRow, check_output, format_kernel_table, write_json
+from .report import KernelReport, KernelRow, format_kernel_table, write_json
 from .timing import copy_bandwidth_gbs, graphed, interleaved_median_us
 
 DEFAULT_SHAPES = {
@@ -275,8 +275,8 @@ def parse_shape(op: str, item: str) -> tuple[int, int, str]:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Refuse, before any work, values the run cannot use (BadValue: one line, exit status 2)."""
-    check_output("--json", args.json)
+    """Refuse, before any work, values the run cannot use (BadValue: one line, exit status 2); --json
+    is checked as it is parsed (`options.OutputFile`)."""
     require_at_least_one({"--batch": args.batch})
     for item in args.shapes or ():
         parse_shape(args.op, item)

@@ -1,7 +1,7 @@
 """Whole-pipeline benchmark: a diffusers FLUX pipeline call, alone vs with `enable(pipe)`.
 
-    flux2-fused pipeline [--configs klein-4b dev flux1-dev] [--pairs N] [--steps N] [--height PX --width PX]
-                         [--txt-tokens N] [--guidance-scale S] [--cache none cache-dit magcache]
+    flux2-fused pipeline [--config klein-4b dev flux1-dev] [--pairs N] [--steps N] [--height PX --width PX]
+                         [--text-tokens N] [--guidance-scale S] [--cache none cache-dit magcache]
                          [--json FILE]
 
 What a user of diffusers sees end to end: for the Klein models Flux2KleinPipeline's denoise loop
@@ -43,8 +43,8 @@ import torch
 from ..errors import BadValue
 from ..models.flux2 import Flux2Config
 from . import flux1, hosts
-from .options import check_side, is_flux1, require_at_least_one
-from .report import PipelineResult, Timing, check_output, format_pipeline_table, write_json
+from .options import check_side, diffusers_only, require_at_least_one
+from .report import PipelineResult, Timing, format_pipeline_table, write_json
 from .step import kernel_breakdown, tensor_sha256, time_synchronized
 
 
@@ -138,7 +138,7 @@ def bench_config(
     cache: str = "none",
 ) -> PipelineResult:
     device = torch.device("cuda", torch.cuda.current_device())
-    if is_flux1(name):
+    if diffusers_only(name) == "FLUX.1":
         transformer = flux1.random_transformer(name, device, torch.bfloat16)
         pipe = flux1.pipeline(transformer)
         prompts = flux1.prompt_embeddings(transformer, txt_tokens)
@@ -179,9 +179,9 @@ def bench_config(
 
 
 def check(args: argparse.Namespace) -> None:
-    """Refuse, before any work, values the run cannot use and a missing diffusers (BadValue, exit 2)."""
-    check_output("--json", args.json)
-    require_at_least_one({"--pairs": args.pairs, "--steps": args.steps, "--txt-tokens": args.txt_tokens})
+    """Refuse, before any work, values the run cannot use and a missing diffusers (BadValue, exit 2);
+    --json is checked as it is parsed (`options.OutputFile`)."""
+    require_at_least_one({"--pairs": args.pairs, "--steps": args.steps, "--text-tokens": args.txt_tokens})
     check_side("--height", args.height)
     check_side("--width", args.width)
     hosts.check_diffusers_host("the pipeline benchmark")

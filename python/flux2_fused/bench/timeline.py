@@ -29,7 +29,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .options import PX_PER_TOKEN, STEP_CONFIGS, image_size, no_package_model, tool_parser
+from .options import (
+    PX_PER_TOKEN,
+    STEP_CONFIGS,
+    add_configs_argument,
+    image_size,
+    no_package_model,
+    tool_parser,
+)
 from .report import markdown_table
 
 # Chrome-trace categories: the GPU's work, the CUDA API calls that launch it, the host's operators.
@@ -212,9 +219,7 @@ def run(config: str, host: str, size: tuple[int, int], steps: int, largest: int)
 
 def main(argv: list[str] | None = None) -> int:
     parser = tool_parser("timeline", __doc__)
-    parser.add_argument(
-        "--configs", nargs="+", default=["klein-4b"], choices=STEP_CONFIGS, help="default klein-4b"
-    )
+    add_configs_argument(parser, STEP_CONFIGS, ["klein-4b"])
     parser.add_argument(
         "--hosts", nargs="+", choices=("package", "diffusers"), default=["package", "diffusers"]
     )

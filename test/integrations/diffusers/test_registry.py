@@ -31,6 +31,7 @@ def test_every_registered_class_and_binding_resolves() -> None:
     assert set(FAMILIES.values()) == {
         "flux2_fused.models.flux2.diffusers",
         "flux2_fused.models.flux1.diffusers",
+        "flux2_fused.models.flux3.diffusers",
     }
 
 
@@ -70,6 +71,9 @@ def test_a_class_of_the_same_name_elsewhere_is_refused() -> None:
 def test_the_handle_prints_in_one_line() -> None:
     model = diffusers_model(Flux2Transformer.random(TINY, seed=1))
     handle = enable(model)
-    assert repr(handle) == "FusedHandle(Flux2Transformer2DModel, fused=True, active)"
+    assert repr(handle) == (
+        "FusedHandle(Flux2Transformer2DModel, fused=True, active, "
+        "kernels off here: the fused ops run on CUDA GPUs, not on cpu)"
+    )
     handle.disable()
     assert repr(handle) == "FusedHandle(Flux2Transformer2DModel, fused=True, disabled)"

@@ -109,7 +109,12 @@ class FusedHandle:
             ref.point(self)
 
     def __repr__(self) -> str:
-        state = "active" if getattr(self.transformer, "_flux2_fused_handle", None) is self else "disabled"
+        """One line: the patch's state and, while it is active, whether kernels can run where the
+        transformer is (`kernels_state`)."""
+        from .. import kernels_state
+
+        active = getattr(self.transformer, "_flux2_fused_handle", None) is self
+        state = f"active, {kernels_state(self.transformer)}" if active else "disabled"
         return f"FusedHandle({type(self.transformer).__name__}, fused={self.fusion.fused}, {state})"
 
     def disable(self) -> None:

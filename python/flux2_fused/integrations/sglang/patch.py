@@ -17,6 +17,7 @@ from torch import nn
 
 from ...host import class_named, qualified_name
 from ...models.deferral import Fusion
+from .. import kernels_state
 from .host import SglangHost
 
 TRANSFORMER = "sglang.multimodal_gen.runtime.models.dits.flux_2.Flux2Transformer2DModel"
@@ -46,7 +47,9 @@ class FusedHandle:
             del self.model.__dict__["forward"]
 
     def __repr__(self) -> str:
-        state = "active" if self.active else "disabled"
+        """One line: the patch's state and, while it is active, whether kernels can run where the
+        DiT is (`kernels_state`)."""
+        state = f"active, {kernels_state(self.model)}" if self.active else "disabled"
         return f"FusedHandle(sglang {type(self.model).__name__}, fused={self.fusion.fused}, {state})"
 
 
