@@ -64,19 +64,14 @@ def stream_rows(x: Stream, start: int) -> Stream:
     return x.rows(start) if isinstance(x, Segment) else materialize(x)[:, start:]
 
 
-def _segment(x: Stream) -> Segment:
-    return x if isinstance(x, Segment) else Segment(materialize(x))
-
-
-def _segments(x: Stream, per_part: bool = False) -> list[Segment]:
+def _segments(x: Stream) -> list[Segment]:
     """The stream as the op's input rows: a concat of two pending updates stays two segments (the
-    kernel writes the concat's buffer itself); any other concat is materialized first, unless each
-    part has a modulation of its own (`per_part`), which keeps the parts apart."""
+    kernel writes the concat's buffer itself); any other concat is materialized first."""
     if isinstance(x, PendingConcat):
-        if per_part or (isinstance(x.first, Segment) and isinstance(x.second, Segment)):
-            return [_segment(x.first), _segment(x.second)]
+        if isinstance(x.first, Segment) and isinstance(x.second, Segment):
+            return [x.first, x.second]
         return [Segment(x.materialize())]
-    return [_segment(x)]
+    return [x if isinstance(x, Segment) else Segment(x)]
 
 
 class Normed(NamedTuple):
@@ -125,20 +120,36 @@ class Fusion:
             return (x + gate * update).clip(-65504.0, 65504.0)
         return gated_resnorm.defer(x, update, gate, update2=update2, enabled=self.fused)
 
-    def norm(self, x: Stream, scale: Modulation, shift: Modulation, eps: float) -> Normed:
+    def norm(self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> Normed:
         """`(1 + scale) * layer_norm(stream) + shift` and the stream, in one launch where the fused
-        kernel accepts the call. A concat's two parts may each have their own modulation (a tuple
-        of two): FLUX.3 normalizes text and image rows into one joint buffer that way."""
+        kernel accepts the call."""
         out, stream = gated_resnorm.apply(
-            _segments(x, per_part=isinstance(scale, tuple)),
-            scale,
-            shift,
-            eps,
-            write_residual=True,
-            enabled=self.fused,
+            _segments(x), scale, shift, eps, write_residual=True, enabled=self.fused
         )
         assert stream is not None
         return Normed(out, stream)
+
+    def joint_norm(
+        self, parts: tuple[Stream, Stream], scale: Modulation, shift: Modulation, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FLUX.3's twin norms: each of two streams normalized with its own modulation (`scale` and
+        `shift` tuples of two), into one joint buffer, text first; returns (joint norm, first
+        stream, second stream). Two pending updates are consumed by the launch, which writes both
+        streams; otherwise the streams are materialized first and the launch writes only the norm
+        (one launch either way)."""
+        first, second = parts
+        if isinstance(first, Segment) and isinstance(second, Segment):
+            out, joint = gated_resnorm.apply(
+                [first, second], scale, shift, eps, write_residual=True, enabled=self.fused
+            )
+            assert joint is not None
+            tokens = first.residual.shape[-2]
+            return out, joint[:, :tokens], joint[:, tokens:]
+        first, second = materialize(first), materialize(second)
+        out, _ = gated_resnorm.apply(
+            [Segment(first), Segment(second)], scale, shift, eps, write_residual=False, enabled=self.fused
+        )
+        return out, first, second
 
     def output_norm(self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
         """The modulated norm of a stream that nothing reads afterwards: a pending update is consumed

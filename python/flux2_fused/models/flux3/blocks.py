@@ -26,7 +26,7 @@ from torch import nn
 from ...host import Host
 from ...ops import qk_norm_rope
 from ..common import Rope, feed_forward, layer_norms_plain, qk_norms
-from ..deferral import Fusion, PendingConcat, Stream, materialize
+from ..deferral import Fusion, Stream, materialize
 
 
 def chunk_modulation(mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,21 +136,13 @@ def single_block_body(
     `stream + gate * (attn + mlp)` over its own rows left pending. Returns (text, content)."""
     shift, scale, gate = chunk_modulation(mod)
     c_shift, c_scale, c_gate = chunk_modulation(mod_context)
-    normed, joint = fusion.norm(PendingConcat(c, x), (c_scale, scale), (c_shift, shift), block.norm.eps)
-    text_tokens = tokens(c)
-    c, x = joint[:, :text_tokens], joint[:, text_tokens:]
+    normed, c, x = fusion.joint_norm((c, x), (c_scale, scale), (c_shift, shift), block.norm.eps)
+    text_tokens = c.shape[1]
     attn_out, mlp_out = parallel_update(block, host, fusion, normed, rope)
     return (
         fusion.add(c, attn_out[:, :text_tokens], c_gate, update2=mlp_out[:, :text_tokens]),
         fusion.add(x, attn_out[:, text_tokens:], gate, update2=mlp_out[:, text_tokens:]),
     )
-
-
-def tokens(x: Stream) -> int:
-    """The token count of a stream, pending or not."""
-    if isinstance(x, PendingConcat):
-        return tokens(x.first) + tokens(x.second)
-    return (x if isinstance(x, torch.Tensor) else x.residual).shape[-2]
 
 
 def single_block_call(
