@@ -11,8 +11,8 @@
 // Every floating-point op is written with an explicit-rounding intrinsic so that no compiler
 // contraction can change a bit; the module must be built without --use_fast_math. The elementwise
 // steps run as packed T-pair instructions where that is provably the same (argued below): at these
-// byte counts the kernel was issue-bound, and packed math halves its instructions (the README's
-// kernel table has the measurements).
+// byte counts the kernel was issue-bound, and packed math halves its instructions (the kernel table
+// in docs/measurements.md has the measurements).
 //
 // One block of 128 threads handles one row. The row's elements live in registers between the
 // reduction and the output, so the kernel moves exactly: read residual + update (+ update2), write
@@ -197,10 +197,10 @@ struct RowRef {
 
 // One block per row. All of the row's residual and update loads (and, up to 12 vectors a thread, the
 // gate's) go out at once, straight into registers; the scale and shift rows are read after the
-// reduction (from cache where every row of a batch reads the same ones). In measurements (the README
+// reduction (from cache where every row of a batch reads the same ones). In measurements (docs/measurements.md
 // lists them) this beat a persistent grid prefetching the next row (registers or cp.async into shared memory), staging the
 // modulation through cp.async, L1 prefetches of the modulation rows, and bulk copies (TMA) of the
-// streams into shared memory for more rows in flight per SM (notes in the README).
+// streams into shared memory for more rows in flight per SM (notes in docs/measurements.md).
 // kTerms: 0 for y = residual (the plain modulated LayerNorm), 1 for y = residual + gate * update, 2
 // for y = residual + gate * (update + update2) (FLUX.3's blocks), each op rounded to T as eager does.
 // kRowMod: modulation rows differ within a batch: per token, or per segment (streamed loads, an

@@ -12,7 +12,7 @@ own fusion of this chain keeps fp32 intermediates and is not bit-exact, ours is.
 Why `torch.library.Library` and not `torch.library.custom_op`: an Inductor graph calls these ops on
 the host between its own kernel launches, and early in a step the GPU waits for that host work;
 custom_op's Python wrapper (output-aliasing checks and more) costs more host time a call (the
-README's tables). The Autograd kernel keeps what a gradient needs: then the op is the
+tables in docs/measurements.md). The Autograd kernel keeps what a gradient needs: then the op is the
 differentiable eager chain; otherwise it redispatches to the implementation below autograd, so
 traced graphs keep the op as one node. Eager-mode callers use `apply` directly and skip the
 dispatcher altogether.
