@@ -430,6 +430,10 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
             ["bench", "--config", "tiny", "--weights", "w"],
             "argument --weights: not allowed with argument --config/--configs",
         ),
+        (
+            ["step", "--config", "dev", "--weights", "w"],
+            "argument --weights: not allowed with argument --config/--configs",
+        ),
         (["bench", "--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["bench", "--steps", "two"], "argument --steps: invalid int value: 'two'"),
         (
@@ -486,6 +490,7 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
     ids=[
         "unknown-config",
         "config-and-weights",
+        "step-config-and-weights",
         "unknown-option",
         "not-a-number",
         "unknown-dtype",
@@ -1201,3 +1206,22 @@ def test_build_bundle_refuses_a_file_or_a_missing_parent_in_one_line(tmp_path: P
         ),
     ):
         assert run_cli(["build", "--bundle", str(folder)]) == (2, "", f"flux2-fused: error: {message}\n")
+
+
+@pytest.mark.parametrize("host", ["package", "diffusers"])
+@pytest.mark.parametrize(
+    ("make_folder", "message"),
+    [
+        (lambda tmp: tmp / "missing", "does not exist"),
+        (lambda tmp: _pipeline_folder(tmp), "is a pipeline folder; pass "),
+        (lambda tmp: _vae_folder(tmp), "config.json describes AutoencoderKLFlux2, not a FLUX.2 transformer"),
+    ],
+    ids=["missing", "pipeline-folder", "vae-folder"],
+)
+def test_step_weights_are_checked_before_the_machine(
+    tmp_path: Path, make_folder, message: str, host: str
+) -> None:
+    """`step --weights` checks the folder as `bench --weights` does, on any machine, in one line."""
+    status, _out, err = run_cli(["step", "--host", host, "--weights", str(make_folder(tmp_path))])
+    assert status == 2 and err.startswith("flux2-fused: error: ") and message in err
+    assert err.count("\n") == 1

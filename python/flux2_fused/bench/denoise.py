@@ -54,7 +54,7 @@ from tqdm import tqdm
 from .. import __version__
 from ..errors import BadValue
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
-from ..models.weights import CONFIG_NAME, WeightsError, read_config, shard_files
+from ..models.flux2.model import folder_config
 from ..ops import fast_path_reason, module_sources, self_check_records
 from .classify import tally
 from .options import (
@@ -81,8 +81,6 @@ ACTIVATION_BYTES_PER_TOKEN = 10e9 / 4608
 _DEV_DIM, _DEV_ITEMSIZE = 6144, 2
 SLOW_CPU_RUN_S = 60  # a CPU run estimated to take longer gets a warning before it starts
 MAX_CPU_RUN_S = 3600  # one estimated to take longer is refused unless --allow-slow
-PIPELINE_INDEX = "model_index.json"  # marks a diffusers pipeline folder, one subfolder a component
-TRANSFORMER_CLASS = "Flux2Transformer2DModel"  # config.json's _class_name in a FLUX.2 transformer folder
 
 
 # --------------------------------------------------------------------------- planning
@@ -223,25 +221,6 @@ def default_config(free_bytes: int | None, tokens: int) -> str:
     return "dev" if fits else "klein-4b"
 
 
-def weights_config(folder: Path) -> Flux2Config:
-    """The architecture a weights folder declares, read before anything heavy so a bad folder fails
-    first (WeightsError naming the file and, for the usual mix-ups, the folder to pass instead)."""
-    if (folder / PIPELINE_INDEX).is_file() and (folder / "transformer").is_dir():
-        raise WeightsError(f"{folder} is a pipeline folder; pass {folder / 'transformer'}")
-    raw = read_config(folder)
-    declared = raw.get("_class_name", TRANSFORMER_CLASS)
-    if declared != TRANSFORMER_CLASS:
-        raise WeightsError(
-            f"{folder / CONFIG_NAME} describes {declared}, not a FLUX.2 transformer ({TRANSFORMER_CLASS})"
-        )
-    try:
-        config = Flux2Config.from_diffusers(raw)
-    except (TypeError, ValueError) as err:
-        raise WeightsError(f"{folder / CONFIG_NAME}: {err}") from err
-    shard_files(folder)  # only checks that the weights files are there
-    return config
-
-
 def plan(request: BenchRequest) -> Plan:
     """Validate the request (a --weights folder included) and fill in this machine's defaults; raises
     BadValue naming the option. The machine is asked for defaults only: what it cannot run is
@@ -262,7 +241,7 @@ def plan(request: BenchRequest) -> Plan:
     dtype = DTYPES[request.dtype or ("bf16" if cuda else "fp32")]
     notes: list[str] = []
     if request.weights is not None:
-        config = weights_config(request.weights)
+        config = folder_config(request.weights)
     elif request.config is not None:
         config = Flux2Config.preset(request.config)
     else:

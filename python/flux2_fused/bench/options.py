@@ -59,8 +59,11 @@ CONFIG_OPTION = ("--config", "--configs")
 TEXT_TOKENS_OPTION = ("--text-tokens", "--txt-tokens")
 
 
-def add_configs_argument(parser: argparse.ArgumentParser, choices: Sequence[str], default: list[str]) -> None:
-    """`--config NAME [NAME ...]` (also `--configs`) of a benchmark that runs several configs in turn."""
+def add_configs_argument(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, choices: Sequence[str], default: list[str]
+) -> None:
+    """`--config NAME [NAME ...]` (also `--configs`) of a benchmark that runs several configs in turn;
+    `parser` may be a group (`step` makes it exclusive with `--weights`)."""
     parser.add_argument(
         *CONFIG_OPTION,
         dest="configs",
@@ -261,7 +264,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """The step benchmark's options (the `flux2-fused step` subcommand's)."""
-    add_configs_argument(parser, STEP_CONFIGS, ["dev", "klein-4b"])
+    model = parser.add_mutually_exclusive_group()
+    add_configs_argument(model, STEP_CONFIGS, ["dev", "klein-4b"])
+    model.add_argument(
+        "--weights",
+        type=Path,
+        metavar="PATH",
+        help="a diffusers-format FLUX.2 transformer folder (its config.json decides the model) instead "
+        "of a preset's random weights, as `bench --weights`",
+    )
     parser.add_argument(
         "--steps", type=int, metavar="N", help="timed steps per mode (default 7, with --compile 100)"
     )

@@ -63,6 +63,7 @@ import hashlib
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,6 +72,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ..errors import BadValue, CommandError
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
+from ..models.flux2.model import folder_config
 from . import flux1, flux3, hosts
 from .classify import tally
 from .floor import floor_step
@@ -205,7 +207,15 @@ class Subject:
     their default init, `bench.flux1` and `bench.flux3`), quantized, with a LoRA and offloaded as
     asked."""
 
-    def __init__(self, name: str, host: str, lora_rank: int | None, offload: str, quantization: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        host: str,
+        lora_rank: int | None,
+        offload: str,
+        quantization: str,
+        weights: Path | None = None,
+    ) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         self.name = name
         self.family = DIFFUSERS_FAMILIES.get(diffusers_only(name) or "")
@@ -216,19 +226,20 @@ class Subject:
             self.model = hosts.set_up(
                 transformer, device, lora_rank, offload, quantization, self.family.LORA_TARGETS
             )
-        elif self.diffusers:
-            self.model = hosts.diffusers_host(
-                Flux2Config.preset(name),
-                device,
-                torch.bfloat16,
-                lora_rank,
-                offload,
-                quantization=quantization,
-            )
+            return
+        # FLUX.2: a preset's random weights, or a weights folder's (`--weights`), on either host.
+        if weights is not None:
+            ours = Flux2Transformer.from_pretrained(weights, device=device, dtype=torch.bfloat16)
         else:
-            self.model = Flux2Transformer.random(
+            ours = Flux2Transformer.random(
                 Flux2Config.preset(name), seed=0, device=device, dtype=torch.bfloat16
             )
+        self.config = ours.config
+        if self.diffusers:
+            model = hosts.diffusers_model(ours).eval()
+            self.model = hosts.set_up(model, device, lora_rank, offload, quantization)
+        else:
+            self.model = ours
 
     def switch(self, fused: bool) -> None:
         """Set the mode: host work outside a step's timing (the diffusers host's enable()/disable())."""
@@ -259,8 +270,9 @@ class Subject:
             return self.family.step_inputs(
                 self.name, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens
             )
-        config = Flux2Config.preset(self.name)
-        return step_inputs(config, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens)
+        return step_inputs(
+            self.config, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens
+        )
 
     def runner(self, inputs: dict) -> Callable[[bool], torch.Tensor]:
         """One step in either mode, the mode set by `switch`."""
@@ -448,6 +460,8 @@ def check(args: argparse.Namespace) -> None:
             "--lora": args.lora,
         }
     )
+    if args.weights is not None:
+        folder_config(args.weights)  # a folder that is not a FLUX.2 transformer fails here, in one line
     if args.reference_tokens < 0:
         raise BadValue(f"--reference-tokens must be at least 0, got {args.reference_tokens}")
     if args.reference_tokens and (others := [n for n in args.configs if diffusers_only(n) != "FLUX.3"]):
@@ -496,8 +510,9 @@ def run(args: argparse.Namespace) -> int:
         "offload": args.offload,
         "quantization": args.quantize,
     }
-    for name in args.configs:
-        subject = Subject(name, args.host, args.lora, args.offload, args.quantize)
+    names = args.configs if args.weights is None else [args.weights.name]
+    for name in names:
+        subject = Subject(name, args.host, args.lora, args.offload, args.quantize, args.weights)
         for batch in args.batch:
             for img_tokens, size in shapes(args):
                 result = bench_size(

@@ -305,6 +305,30 @@ HOST = ModuleHost(
 )
 
 
+PIPELINE_INDEX = "model_index.json"  # marks a diffusers pipeline folder, one subfolder a component
+TRANSFORMER_CLASS = "Flux2Transformer2DModel"  # config.json's _class_name in a FLUX.2 transformer folder
+
+
+def folder_config(folder: Path) -> Flux2Config:
+    """The architecture a diffusers-format FLUX.2 transformer folder declares, read before anything
+    heavy so a bad folder fails first (WeightsError naming the file and, for the usual mix-ups, the
+    folder to pass instead); the weights files are only checked to be there."""
+    if (folder / PIPELINE_INDEX).is_file() and (folder / "transformer").is_dir():
+        raise WeightsError(f"{folder} is a pipeline folder; pass {folder / 'transformer'}")
+    raw = read_config(folder)
+    declared = raw.get("_class_name", TRANSFORMER_CLASS)
+    if declared != TRANSFORMER_CLASS:
+        raise WeightsError(
+            f"{folder / CONFIG_NAME} describes {declared}, not a FLUX.2 transformer ({TRANSFORMER_CLASS})"
+        )
+    try:
+        config = Flux2Config.from_diffusers(raw)
+    except (TypeError, ValueError) as err:
+        raise WeightsError(f"{folder / CONFIG_NAME}: {err}") from err
+    shard_files(folder)  # only checks that the weights files are there
+    return config
+
+
 class Flux2Transformer(nn.Module):
     """The FLUX.2 DiT with diffusers' parameter names and diffusers' eager numerics.
 
@@ -388,11 +412,7 @@ class Flux2Transformer(nn.Module):
         `dtype=None` keeps the stored dtype. Raises `WeightsError` naming the file and keys at fault.
         """
         folder = Path(path)
-        raw = read_config(folder)
-        try:
-            config = Flux2Config.from_diffusers(raw)
-        except (TypeError, ValueError) as err:
-            raise WeightsError(f"{folder / CONFIG_NAME}: {err}") from err
+        config = folder_config(folder)
         files = shard_files(folder)
         model = cls._on_meta(config, fused)
         stream_into(model, files, device=device, dtype=dtype)
