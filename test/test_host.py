@@ -104,6 +104,9 @@ REPLACEMENTS = {
     "another class's method of the same module": lambda cls: nn.Sigmoid.forward,
     "a function of another torch module": lambda cls: nn.Identity.forward,
     "a callable object": lambda cls: _Callable(),
+    # torch's own wrappers that change the arithmetic: the block code must not skip them
+    "torch.autocast around the original": lambda cls: torch.autocast("cpu", torch.bfloat16)(cls.forward),
+    "torch.compile of the original": lambda cls: torch.compile(cls.forward),
 }
 
 

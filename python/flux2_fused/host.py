@@ -95,8 +95,9 @@ def has_hooks(module: nn.Module) -> bool:
 
 # What a module's call runs besides hooks: its forward, and the `__call__` that calls it.
 CALL_METHODS = ("forward", "__call__")
-# class -> (the functions it held under CALL_METHODS when last looked at, whether all were its own)
-_class_verdicts: dict[type, tuple[tuple[Any, ...], bool]] = {}
+# (class, method names) -> (the functions it held under them when last looked at, whether all were
+# its own)
+_class_verdicts: dict[tuple[type, tuple[str, ...]], tuple[tuple[Any, ...], bool]] = {}
 _warned_replacements: set[tuple[str, str]] = set()
 
 
@@ -108,20 +109,40 @@ def _package_root(module_name: str) -> Path | None:
     return Path(next(iter(paths))).resolve() if paths else None
 
 
+def _grad_mode_decorator_file() -> Path:
+    """The file of torch's grad-mode decorators (`torch.no_grad()`, `enable_grad()`,
+    `inference_mode()` used as decorators): they change no value a forward computes, unlike
+    `torch.autocast` or `torch.compile`, which wrap functions too but change the arithmetic."""
+    import torch.utils._contextlib as grad_modes
+
+    return Path(grad_modes.__file__).resolve()
+
+
 def _own_function(owner: type, fn: Any) -> bool:
     """Whether `fn`, found in `owner`'s own namespace, is the function `owner`'s package defined there:
     a function written in `owner`'s class body (its code's qualified name and file say so, which a
-    replacement dressed up with `functools.wraps` cannot fake), under decorators of that package or
-    torch only (diffusers' `apply_lora_scale`, `torch.no_grad()`). A replacement from anywhere else
-    (a user's script, a cache or quantization tool patching the class), or a non-function, is not."""
-    roots = [root for root in (_package_root(owner.__module__), _package_root("torch")) if root is not None]
-    inner = fn
-    while inner is not None:
-        code = getattr(inner, "__code__", None)
-        if code is None or not any(Path(code.co_filename).resolve().is_relative_to(r) for r in roots):
+    replacement dressed up with `functools.wraps` cannot fake), under decorators of that package
+    (diffusers' `apply_lora_scale`) or torch's grad-mode ones only. Any other layer is a replacement:
+    a user's script, a cache or quantization tool patching the class, `torch.autocast(...)` or
+    `torch.compile` around the method (both change its arithmetic), a non-function."""
+    root = _package_root(owner.__module__)
+    if root is None:
+        return False
+    # Decorators of the owner's package may wrap its methods, except torch's: its other wrappers
+    # (autocast, compile) change what the method computes.
+    own_decorators = root if root != _package_root("torch") else None
+    grad_modes = _grad_mode_decorator_file()
+    while (wrapped := getattr(fn, "__wrapped__", None)) is not None:
+        code = getattr(fn, "__code__", None)
+        if code is None:
             return False
-        fn, inner = inner, getattr(inner, "__wrapped__", None)
+        path = Path(code.co_filename).resolve()
+        if not (path == grad_modes or (own_decorators is not None and path.is_relative_to(own_decorators))):
+            return False
+        fn = wrapped
     inner = fn
+    if getattr(inner, "__code__", None) is None:
+        return False
     # The code's own qualified name (Python >= 3.11); 3.10's code objects carry only the bare name.
     qualname = getattr(inner.__code__, "co_qualname", inner.__qualname__)
     module_file = getattr(sys.modules.get(owner.__module__), "__file__", None)
@@ -158,11 +179,11 @@ def methods_unpatched(cls: type, names: tuple[str, ...] = CALL_METHODS) -> bool:
 def _class_verdict(cls: type, names: tuple[str, ...], current: tuple[Any, ...]) -> bool:
     """`methods_unpatched` given the functions `cls` holds now. A torch.compile trace takes the
     verdict as a constant (it reads files and warns), guarded by the functions it was given."""
-    seen = _class_verdicts.get(cls)
+    seen = _class_verdicts.get((cls, names))
     if seen is not None and seen[0] == current:
         return seen[1]
     replaced = _replacement(cls, names)
-    _class_verdicts[cls] = (current, replaced is None)
+    _class_verdicts[(cls, names)] = (current, replaced is None)
     if replaced is not None:
         name, fn = replaced
         code = getattr(fn, "__code__", None)  # where the replacement was written, not what it claims

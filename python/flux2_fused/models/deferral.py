@@ -20,6 +20,7 @@ import torch
 
 from ..ops import gated_resnorm
 from ..ops.gated_resnorm import Segment
+from ..ops.gated_resnorm.reference import Modulation
 
 try:
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -42,8 +43,6 @@ class PendingConcat:
 
 
 Stream = torch.Tensor | PendingGatedResidual | PendingConcat
-# A norm's scale or shift: one tensor for every row, or one per part of a concat.
-Modulation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 def materialize(stream: Stream) -> torch.Tensor:
@@ -62,6 +61,13 @@ def stream_rows(x: Stream, start: int) -> Stream:
     """Tokens [start:] of a stream; a pending update stays pending, so only those rows are ever
     computed (elementwise, so they equal the same rows of the whole stream bit for bit)."""
     return x.rows(start) if isinstance(x, Segment) else materialize(x)[:, start:]
+
+
+def _waited(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t`, waited for where it is an all-reduce's output not yet waited on."""
+    if AsyncCollectiveTensor is not None and type(t) is AsyncCollectiveTensor:
+        return t.wait()
+    return t
 
 
 def _segments(x: Stream) -> list[Segment]:
@@ -111,13 +117,12 @@ class Fusion:
         reader, so such a site is always materialized.
         """
         x = materialize(x)
-        if AsyncCollectiveTensor is not None and type(update) is AsyncCollectiveTensor:
-            # A tensor-parallel row-wise projection's all-reduced output, before its wait: the value
-            # is what the wait gives (eager arithmetic waits on first use alike); the kernels read
-            # memory, so they get the waited tensor.
-            update = update.wait()
+        # A tensor-parallel row-wise projection's all-reduced output, before its wait: the value is
+        # what the wait gives (eager arithmetic waits on first use alike); the kernels read memory,
+        # so they get the waited tensor.
+        update, update2 = (_waited(t) for t in (update, update2))
         if clip_fp16 and x.dtype == torch.float16:
-            return (x + gate * update).clip(-65504.0, 65504.0)
+            return Segment(x, update, gate, update2=update2).materialize().clip(-65504.0, 65504.0)
         return gated_resnorm.defer(x, update, gate, update2=update2, enabled=self.fused)
 
     def norm(self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> Normed:

@@ -252,16 +252,16 @@ def test_every_attention_backend_stays_fused(backend: str, how: str, routes: dic
 def test_attention_gets_the_processors_backend_and_parallel_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a context-parallel config needs from the block code: each attention call carries its
     processor's backend and parallel config into diffusers' dispatch (which exchanges the rows)."""
-    from diffusers.models import attention_dispatch
+    from diffusers.models.transformers import transformer_flux2
 
     seen = []
-    dispatch = attention_dispatch.dispatch_attention_fn
+    dispatch = transformer_flux2.dispatch_attention_fn  # what the processors' module calls
 
     def recording(*args, **kwargs):
         seen.append((kwargs["backend"], kwargs["parallel_config"]))
         return dispatch(*args, **{**kwargs, "parallel_config": None})
 
-    monkeypatch.setattr(attention_dispatch, "dispatch_attention_fn", recording)
+    monkeypatch.setattr(transformer_flux2, "dispatch_attention_fn", recording)
     model = _model()
     model.set_attention_backend("_native_math")
     config = object()

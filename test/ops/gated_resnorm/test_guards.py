@@ -636,6 +636,13 @@ def _rows(kind: str) -> tuple[list[Segment], Any, Any, bool]:
         "plain concat written": ([plain, plain], scale, shift, True),
         "2-D concat": ([Segment(residual[0]), Segment(residual[0])], scale, shift, False),
         "batch differs": ([plain, Segment(residual[:1])], scale, shift, False),
+        # Each with a modulation of its own dtype, so no segment's own guard ties them together.
+        "dtype differs": (
+            [plain, Segment(residual.half())],
+            (scale, scale.half()),
+            (shift, shift.half()),
+            False,
+        ),
         # Eager would modulate the concat (10 tokens) with these 5 rows, and raise.
         "per-token scale shared": ([two_term, two_term], per_token, shift, True),
         "per-token shift shared": ([plain, plain], scale, per_token, False),
@@ -652,6 +659,7 @@ ROWS_CASES = {
     "plain concat written": "the kernel writes no concat of plain rows",
     "2-D concat": "segments to concatenate must be [B, T, D]",
     "batch differs": "the two segments differ in batch",
+    "dtype differs": "the two segments differ in hidden size or dtype",
     "per-token scale shared": "a per-token scale shared by two segments (pass one per segment)",
     "per-token shift shared": "a per-token shift shared by two segments (pass one per segment)",
     "tuple and tensor": "scale and shift must both be tensors or both be tuples with one tensor per segment",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,8 +102,10 @@ class DiffusersHost(ModuleHost):
     def dispatch(processor: Any) -> Attention:
         """A processor's attention: diffusers' `dispatch_attention_fn` with the processor's backend
         and parallel config, on q, k, v as the processor passes them, flattened and cast as the
-        processor does. A context-parallel config exchanges rows with the other ranks in there."""
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        processor does. A context-parallel config exchanges rows with the other ranks in there.
+        The function is looked up where the processor's own module finds it, so a tool that replaces
+        it there (a module-level patch) is honored as it is in diffusers' own call."""
+        dispatch_attention_fn = sys.modules[type(processor).__module__].dispatch_attention_fn
 
         def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             out = dispatch_attention_fn(

@@ -37,13 +37,19 @@ def chunk_modulation(mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def prologue(
-    attn: nn.Module, host: Host, fusion: Fusion, query: torch.Tensor, key: torch.Tensor, rope: Rope
+    attn: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    rope: Rope,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_q(q.float())` and `norm_k(k.float())`, RoPE in fp32, one cast to q's dtype, as
-    `Flux3AttnProcessor` runs them: one fused launch where the host vouches for both norms as
-    RMSNorms of one eps; else the norm modules' own calls."""
-    norms = qk_norms(host, (attn.norm_q, attn.norm_k))
-    dtype = query.dtype
+    """`norm_q(q.float())` and `norm_k(k.float())`, RoPE in fp32, one cast to `dtype` (v's), as
+    `Flux3AttnProcessor` runs them: one fused launch (which rounds to q's dtype) where the host
+    vouches for both norms as RMSNorms of one eps and v's dtype is q's; else the norm modules' own
+    calls."""
+    norms = qk_norms(host, (attn.norm_q, attn.norm_k)) if query.dtype == dtype else None
     if norms is None:
         rotated = (
             qk_norm_rope.reference.rope(host.call(norm, x.float()), *rope)
@@ -73,7 +79,7 @@ def attention(attn: nn.Module, host: Host, fusion: Fusion, h: torch.Tensor, rope
     query, key, value = (
         host.linear(proj, h).unflatten(-1, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v)
     )
-    query, key = prologue(attn, host, fusion, query, key, rope)
+    query, key = prologue(attn, host, fusion, query, key, rope, value.dtype)
     return host.linear(attn.to_out[0], attend(query, key, value))
 
 

@@ -68,6 +68,10 @@ def _rows_reason(
             return "segments to concatenate must be [B, T, D]"
         if shape[0] != other[0]:
             return "the two segments differ in batch"
+        if shape[2] != other[2] or first.residual.dtype != second.residual.dtype:
+            # With a modulation each, no other check ties the segments together; eager's cat would
+            # promote mixed dtypes, and the kernel reads both as the first's.
+            return "the two segments differ in hidden size or dtype"
         if shape[1] == other[1] and not per_segment:
             # Eager modulates the concat, so per-token rows shared by the segments are rows of the
             # concat. Each segment's guard checks the modulation against its own rows, which declines
