@@ -59,6 +59,19 @@ CONFIG_OPTION = ("--config", "--configs")
 TEXT_TOKENS_OPTION = ("--text-tokens", "--txt-tokens")
 
 
+def add_text_tokens_argument(parser: argparse.ArgumentParser, dest: str, what: str) -> None:
+    """`--text-tokens N` (also `--txt-tokens`), the same spelling and default on every command;
+    `dest` keeps each command's attribute name, `what` says what the tokens are there."""
+    parser.add_argument(
+        *TEXT_TOKENS_OPTION,
+        dest=dest,
+        type=int,
+        default=DEFAULT_TEXT_TOKENS,
+        metavar="N",
+        help=f"{what} (default {DEFAULT_TEXT_TOKENS})",
+    )
+
+
 def add_configs_argument(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, choices: Sequence[str], default: list[str]
 ) -> None:
@@ -236,14 +249,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             option, type=int, default=default, metavar="N", help=f"{what} (default {default})"
         )
-    parser.add_argument(
-        *TEXT_TOKENS_OPTION,
-        dest="text_tokens",
-        type=int,
-        default=DEFAULT_TEXT_TOKENS,
-        metavar="N",
-        help=f"text tokens a sample (default {DEFAULT_TEXT_TOKENS})",
-    )
+    add_text_tokens_argument(parser, "text_tokens", "text tokens a sample")
     parser.add_argument("--dtype", choices=DTYPES, help="default bf16 on a GPU, fp32 on the CPU")
     add_output_arguments(
         parser, "write every figure to FILE", "draw step and kernel times (needs matplotlib)"
@@ -296,14 +302,7 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="FLUX.3: one reference image of N tokens beside the image (image-to-image; default none)",
     )
-    parser.add_argument(
-        *TEXT_TOKENS_OPTION,
-        dest="txt_tokens",
-        type=int,
-        default=DEFAULT_TEXT_TOKENS,
-        metavar="N",
-        help=f"text tokens (default {DEFAULT_TEXT_TOKENS})",
-    )
+    add_text_tokens_argument(parser, "txt_tokens", "text tokens")
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -368,14 +367,7 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=8, metavar="N", help="denoise steps a call (default 8)")
     parser.add_argument("--height", type=int, default=1024, metavar="PX", help="default 1024")
     parser.add_argument("--width", type=int, default=1024, metavar="PX", help="default 1024")
-    parser.add_argument(
-        *TEXT_TOKENS_OPTION,
-        dest="txt_tokens",
-        type=int,
-        default=DEFAULT_TEXT_TOKENS,
-        metavar="N",
-        help=f"prompt embedding tokens (default {DEFAULT_TEXT_TOKENS})",
-    )
+    add_text_tokens_argument(parser, "txt_tokens", "prompt embedding tokens")
     parser.add_argument(
         "--guidance-scale",
         type=float,

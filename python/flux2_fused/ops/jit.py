@@ -28,6 +28,7 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -401,21 +402,25 @@ def arch_reason(arch: str) -> str | None:
     return f"compute capability {arch} is older than the kernels' minimum {need} (sm_{need.replace('.', '')})"
 
 
-def loader_reason() -> str | None:
-    """Why no module can be loaded here, bundled or built (tvm-ffi missing), None when one can."""
+def _tvm_ffi_reason(module: str) -> str | None:
+    """Why tvm-ffi's `module` (its loader, or its builder `tvm_ffi.cpp`) cannot be imported."""
     try:
-        import tvm_ffi  # noqa: F401
+        importlib.import_module(module)
     except ImportError as exc:
         return f"apache-tvm-ffi is not installed or not importable ({exc})"
     return None
 
 
+def loader_reason() -> str | None:
+    """Why no module can be loaded here, bundled or built (tvm-ffi missing), None when one can."""
+    return _tvm_ffi_reason("tvm_ffi")
+
+
 def toolchain_reason() -> str | None:
     """Why no kernel can be built here (tvm-ffi missing, no nvcc), None when one can."""
-    try:
-        import tvm_ffi.cpp  # noqa: F401
-    except ImportError as exc:
-        return f"apache-tvm-ffi is not installed or not importable ({exc})"
+    reason = _tvm_ffi_reason("tvm_ffi.cpp")
+    if reason is not None:
+        return reason
     if find_nvcc() is None:
         searched = ", ".join(["$CUDA_HOME", "$CUDA_PATH", *DEFAULT_CUDA_HOMES])
         return f"nvcc not found: no CUDA toolkit in {searched} or on PATH (install one or set CUDA_HOME)"
