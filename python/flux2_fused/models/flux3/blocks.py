@@ -25,15 +25,8 @@ from torch import nn
 
 from ...host import Host
 from ...ops import qk_norm_rope
-from ..common import Rope, feed_forward, layer_norms_plain, qk_norms
+from ..common import Rope, feed_forward, layer_norms_plain, qk_norms, split_modulation
 from ..deferral import Fusion, Stream, materialize
-
-
-def chunk_modulation(mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(shift, scale, gate): the [B, S, D] views of a block's [B, S, 3D] modulation, as the blocks'
-    `torch.chunk(temb_mod, 3, dim=-1)`."""
-    shift, scale, gate = mod.chunk(3, dim=-1)
-    return shift, scale, gate
 
 
 def prologue(
@@ -94,7 +87,7 @@ def mode_block_body(
     block: nn.Module, host: Host, fusion: Fusion, x: Stream, mod: torch.Tensor, rope: Rope
 ) -> Stream:
     """A mode block on a possibly-pending stream; returns `x + gate * (attn + mlp)` pending."""
-    shift, scale, gate = chunk_modulation(mod)
+    shift, scale, gate = split_modulation(mod, 1)[0]
     normed, x = fusion.norm(x, scale, shift, block.norm.eps)
     attn_out, mlp_out = parallel_update(block, host, fusion, normed, rope)
     return fusion.add(x, attn_out, gate, update2=mlp_out)
@@ -140,8 +133,8 @@ def single_block_body(
     """A joint single block on possibly-pending text (c) and content (x) streams: both modulated
     norms written into one joint buffer (text first), attention and MLP on it, each stream's update
     `stream + gate * (attn + mlp)` over its own rows left pending. Returns (text, content)."""
-    shift, scale, gate = chunk_modulation(mod)
-    c_shift, c_scale, c_gate = chunk_modulation(mod_context)
+    shift, scale, gate = split_modulation(mod, 1)[0]
+    c_shift, c_scale, c_gate = split_modulation(mod_context, 1)[0]
     normed, c, x = fusion.joint_norm((c, x), (c_scale, scale), (c_shift, shift), block.norm.eps)
     text_tokens = c.shape[1]
     attn_out, mlp_out = parallel_update(block, host, fusion, normed, rope)
