@@ -46,6 +46,27 @@ def count_block_code(monkeypatch: pytest.MonkeyPatch, name: str, family: ModuleT
 
 
 @pytest.fixture
+def gated_resnorm_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The gated_resnorm guards accept and its 'kernel' is the reference over the same segments (the
+    kernel's contract), so the CPU runs the fused branches of the block code: pending updates
+    consumed by the next norm, twin norms of two pending streams. One entry (the launch's segments)
+    per launch."""
+    from flux2_fused.ops import gated_resnorm
+
+    launches: list[int] = []
+
+    def launch(rows, scale, shift, eps, *, write_residual, addcmul=False):
+        launches.append(len(rows))
+        out, stream = gated_resnorm.reference.segments(rows, scale, shift, eps, addcmul=addcmul)
+        return out, stream if write_residual else None
+
+    for name in ("gated", "defer", "plain", "gated2", "defer2"):
+        monkeypatch.setattr(gated_resnorm.guards, name, lambda *args: True)
+    monkeypatch.setattr(gated_resnorm, "launch", launch)
+    return launches
+
+
+@pytest.fixture
 def double_blocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry each time a double block runs the family's block code."""
     return count_block_code(monkeypatch, "double_block_body")

@@ -57,6 +57,12 @@ class Host(Protocol):
         run. A host whose RMSNorm class differs from PyTorch's names it here."""
         ...
 
+    def layer_norm(self, module: nn.Module) -> float | None:
+        """The eps of a plain affine-free LayerNorm the block code may compute as aten's
+        `layer_norm` (the fused norms do); None where the module's own call must run. A host whose
+        LayerNorm class differs from PyTorch's names it here."""
+        ...
+
     def attention(
         self, attn: nn.Module, options: Mapping[str, Any] | None, text_tokens: int
     ) -> Attention | None:
@@ -277,6 +283,10 @@ class ModuleHost:
 
     def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
         return (module.weight, module.eps) if type(module) is nn.RMSNorm and self.plain(module) else None
+
+    def layer_norm(self, module: nn.Module) -> float | None:
+        plain = type(module) is nn.LayerNorm and not module.elementwise_affine and self.plain(module)
+        return module.eps if plain else None
 
     def attention(
         self, attn: nn.Module, options: Mapping[str, Any] | None, text_tokens: int

@@ -23,6 +23,21 @@ from .deferral import Fusion, Stream, materialize, stream_dtype
 
 # (cos, sin) RoPE tables, [S_txt + S_img, head_dim] each, text rows first.
 Rope = tuple[torch.Tensor, torch.Tensor]
+# A host's own rotation of the normalized joint q and k [B, S, H, head_dim] -> (q, k).
+Rotation = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class HostRope(tuple):
+    """The RoPE of a host whose rotation is not the one the fused prologue computes (ComfyUI, whose
+    rotation runs comfy-kitchen's kernels): `rotate` is the host's own rotation, which the prologue
+    runs after the norms, unfused; the tuple holds whatever tables the host keeps (none needed)."""
+
+    def __new__(cls, tables: tuple, rotate: Rotation) -> HostRope:
+        rope = super().__new__(cls, tables)
+        rope.rotate = rotate
+        return rope
+
+
 # A block's attention arguments as the host passes them (diffusers' `joint_attention_kwargs`).
 Options = Mapping[str, Any] | None
 
@@ -36,12 +51,9 @@ def split_modulation(mod: torch.Tensor, sets: int) -> list[tuple[torch.Tensor, t
 
 
 def layer_norms_plain(host: Host, module: nn.Module, names: Iterable[str]) -> bool:
-    """The named LayerNorms are plain affine-free LayerNorms, which the fused sites replace."""
-    for name in names:
-        norm = getattr(module, name)
-        if type(norm) is not nn.LayerNorm or norm.elementwise_affine or not host.plain(norm):
-            return False
-    return True
+    """The named LayerNorms are plain affine-free LayerNorms (`host.layer_norm` vouches for each),
+    which the fused sites replace."""
+    return all(host.layer_norm(getattr(module, name)) is not None for name in names)
 
 
 def qk_norms(host: Host, norms: Iterable[nn.Module]) -> list[RMSNormParameters] | None:
@@ -64,22 +76,42 @@ def prologue(
     """q, k (and v) for attention: each q and k part's heads [B, S, H, hd] through its RMSNorm,
     concatenated along tokens (text first), rotated; v's parts concatenated alike (None when not
     given): one fused launch where the op accepts. Norms the host does not vouch for as RMSNorms
-    (`host.rms_norm`), or of more than one eps (a launch takes one), run as the host's module calls."""
+    (`host.rms_norm`), or of more than one eps (a launch takes one), run as the host's module calls,
+    and so do all of them where the tables carry the host's own rotation (`HostRope`), which then
+    rotates the normalized rows."""
     norms = qk_norms(host, (norm for _, norm in (*q, *k)))
-    if norms is None:
+    rotate = getattr(rope, "rotate", None)
+    if norms is None or rotate is not None:
         # The norms as module calls, in diffusers' order: the last (image) part's q and k first.
         normed_q, normed_k = [None] * len(q), [None] * len(k)
         for i in reversed(range(len(q))):
             normed_q[i] = host.call(q[i][1], q[i][0])
             normed_k[i] = host.call(k[i][1], k[i][0])
-        joint = [
-            qk_norm_rope.reference.rope(torch.cat(normed, dim=1) if len(normed) > 1 else normed[0], *rope)
-            for normed in (normed_q, normed_k)
-        ]
-        return joint[0], joint[1], None if v is None else torch.cat(v, dim=1)
+        query, key = (
+            torch.cat(normed, dim=1) if len(normed) > 1 else normed[0] for normed in (normed_q, normed_k)
+        )
+        if rotate is not None:
+            query, key = rotate(query, key)
+        else:
+            query, key = (qk_norm_rope.reference.rope(t, *rope) for t in (query, key))
+        return query, key, None if v is None else torch.cat(v, dim=1)
     weights = iter(weight for weight, _ in norms)
     segments = [[qk_norm_rope.Segment(x, next(weights)) for x, _ in parts] for parts in (q, k)]
     return qk_norm_rope.apply(*segments, *rope, norms[0][1], v, enabled=fusion.fused)
+
+
+def qkv_projections(
+    attn: nn.Module, host: Host, x: torch.Tensor, separate: tuple[str, str, str], fused: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [B, S, H, head_dim] of rows x: the three Linears named `separate`, or where the module's
+    projections are fused (`fused_projections`) the one named `fused`, its output chunked in three."""
+    shape = (-1, attn.head_dim)
+    if getattr(attn, "fused_projections", False):
+        parts = host.linear(getattr(attn, fused), x).chunk(3, dim=-1)
+    else:
+        parts = tuple(host.linear(getattr(attn, name), x) for name in separate)
+    query, key, value = (t.unflatten(-1, shape) for t in parts)
+    return query, key, value
 
 
 def joint_attention_rows(
@@ -94,14 +126,13 @@ def joint_attention_rows(
     """A double block's joint attention up to its output projections: x [B, N, D] image rows, c
     [B, L, D] text rows, each through its own q, k, v projections (`to_*` and `add_*_proj`), the
     prologue (text first, as in the RoPE tables), `attend` (the host's backend) -> the attention
-    output's (text rows, image rows). Which output projection runs first is the family's."""
-    shape = (-1, attn.head_dim)
-    query, key, value = (
-        host.linear(proj, x).unflatten(-1, shape) for proj in (attn.to_q, attn.to_k, attn.to_v)
-    )
-    c_query, c_key, c_value = (
-        host.linear(proj, c).unflatten(-1, shape)
-        for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+    output's (text rows, image rows). Which output projection runs first is the family's.
+    Projections fused into one Linear a stream (`fused_projections`: diffusers' `to_qkv` and
+    `to_added_qkv`, ComfyUI's `qkv`) give q, k, v as thirds of its output, as their callers split
+    it."""
+    query, key, value = qkv_projections(attn, host, x, ("to_q", "to_k", "to_v"), "to_qkv")
+    c_query, c_key, c_value = qkv_projections(
+        attn, host, c, ("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv"
     )
     query, key, value = prologue(
         host,

@@ -13,6 +13,7 @@ Every site reaches a kernel through its op's one entry point (`gated_resnorm.def
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -80,6 +81,11 @@ def _segments(x: Stream) -> list[Segment]:
     return [x if isinstance(x, Segment) else Segment(x)]
 
 
+def clip_fp16_range(x: torch.Tensor) -> torch.Tensor:
+    """diffusers' saturation of an fp16 stream: `clip(-65504, 65504)` (NaN stays NaN)."""
+    return x.clip(-65504.0, 65504.0)
+
+
 class Normed(NamedTuple):
     """A norm site's results: the modulated norm, and the stream it normalized, materialized."""
 
@@ -96,11 +102,22 @@ class Fusion:
     torch.compile) the op's operator is the op's decision, not this class's.
     """
 
-    def __init__(self, fused: bool = True) -> None:
+    def __init__(
+        self,
+        fused: bool = True,
+        *,
+        addcmul: bool = False,
+        saturate: Callable[[torch.Tensor], torch.Tensor] = clip_fp16_range,
+    ) -> None:
         self.fused = fused
+        # How the host rounds: its modulation as aten's addcmul (ComfyUI's `apply_mod`) rather than
+        # diffusers' two ops, and how it saturates an fp16 stream (diffusers clips, ComfyUI maps
+        # NaN to 0 as well).
+        self.addcmul = addcmul
+        self.saturate = saturate
 
     def __repr__(self) -> str:
-        return f"Fusion(fused={self.fused})"
+        return f"Fusion(fused={self.fused}{', addcmul' if self.addcmul else ''})"
 
     def add(
         self,
@@ -113,8 +130,8 @@ class Fusion:
         """`x + gate * update` (with `update2`: `x + gate * (update + update2)`, FLUX.3's parallel
         attention and MLP), deferred where the next fused norm can consume it.
 
-        clip_fp16: diffusers saturates this stream at +-65504 in fp16, which must happen before any
-        reader, so such a site is always materialized.
+        clip_fp16: the host saturates this stream at +-65504 in fp16 (`saturate`), which must happen
+        before any reader, so such a site is always materialized.
         """
         x = materialize(x)
         # A tensor-parallel row-wise projection's all-reduced output, before its wait: the value is
@@ -122,14 +139,14 @@ class Fusion:
         # so they get the waited tensor.
         update, update2 = (_waited(t) for t in (update, update2))
         if clip_fp16 and x.dtype == torch.float16:
-            return Segment(x, update, gate, update2=update2).materialize().clip(-65504.0, 65504.0)
+            return self.saturate(Segment(x, update, gate, update2=update2).materialize())
         return gated_resnorm.defer(x, update, gate, update2=update2, enabled=self.fused)
 
     def norm(self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> Normed:
         """`(1 + scale) * layer_norm(stream) + shift` and the stream, in one launch where the fused
         kernel accepts the call."""
         out, stream = gated_resnorm.apply(
-            _segments(x), scale, shift, eps, write_residual=True, enabled=self.fused
+            _segments(x), scale, shift, eps, write_residual=True, enabled=self.fused, addcmul=self.addcmul
         )
         assert stream is not None
         return Normed(out, stream)
@@ -145,20 +162,32 @@ class Fusion:
         first, second = parts
         if isinstance(first, Segment) and isinstance(second, Segment):
             out, joint = gated_resnorm.apply(
-                [first, second], scale, shift, eps, write_residual=True, enabled=self.fused
+                [first, second],
+                scale,
+                shift,
+                eps,
+                write_residual=True,
+                enabled=self.fused,
+                addcmul=self.addcmul,
             )
             assert joint is not None
             tokens = first.residual.shape[-2]
             return out, joint[:, :tokens], joint[:, tokens:]
         first, second = materialize(first), materialize(second)
         out, _ = gated_resnorm.apply(
-            [Segment(first), Segment(second)], scale, shift, eps, write_residual=False, enabled=self.fused
+            [Segment(first), Segment(second)],
+            scale,
+            shift,
+            eps,
+            write_residual=False,
+            enabled=self.fused,
+            addcmul=self.addcmul,
         )
         return out, first, second
 
     def output_norm(self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
         """The modulated norm of a stream that nothing reads afterwards: a pending update is consumed
         by the norm and never written out."""
-        return gated_resnorm.apply(_segments(x), scale, shift, eps, write_residual=False, enabled=self.fused)[
-            0
-        ]
+        return gated_resnorm.apply(
+            _segments(x), scale, shift, eps, write_residual=False, enabled=self.fused, addcmul=self.addcmul
+        )[0]

@@ -173,30 +173,10 @@ def test_torch_compile_of_the_patched_transformer() -> None:
     assert torch.equal(compiled, expected)
 
 
-@pytest.fixture
-def kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The gated_resnorm guards accept and its 'kernel' is the reference over the same segments (the
-    kernel's contract), so the CPU runs the fused branches of the block code: pending two-term
-    updates consumed by the next norm, twin norms of two pending streams. One entry per launch."""
-    from flux2_fused.ops import gated_resnorm
-
-    launches: list[int] = []
-
-    def launch(rows, scale, shift, eps, *, write_residual):
-        launches.append(len(rows))
-        out, stream = gated_resnorm.reference.segments(rows, scale, shift, eps)
-        return out, stream if write_residual else None
-
-    for name in ("gated", "defer", "plain", "gated2", "defer2"):
-        monkeypatch.setattr(gated_resnorm.guards, name, lambda *args: True)
-    monkeypatch.setattr(gated_resnorm, "launch", launch)
-    return launches
-
-
 @pytest.mark.parametrize("references", [0, 1], ids=["t2i", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_fused_branches_are_diffusers_bit_for_bit(
-    references: int, dtype: torch.dtype, kernel_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch
+    references: int, dtype: torch.dtype, gated_resnorm_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every norm site one launch: a mode block's norm a block, a joint block's twin norms one launch
     of two segments, the output norm one."""
@@ -207,5 +187,5 @@ def test_the_fused_branches_are_diffusers_bit_for_bit(
     )
     modes = 2 + references
     singles = support.TINY["num_single_layers"]
-    assert len(kernel_on_cpu) == modes * support.TINY["num_layers"] + singles + 1
-    assert kernel_on_cpu.count(2) == singles
+    assert len(gated_resnorm_on_cpu) == modes * support.TINY["num_layers"] + singles + 1
+    assert gated_resnorm_on_cpu.count(2) == singles

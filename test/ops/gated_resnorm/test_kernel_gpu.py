@@ -113,6 +113,30 @@ def test_edge_values_bit_exact(dim, dtype, gen):
         assert bits_equal(modnorm(x, scale, shift), modnorm_reference(x, scale, shift)), name
 
 
+def _comfyui_modulation(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's modulated norm as its blocks write it: `apply_mod(norm(x), 1 + scale, shift)`."""
+    return torch.addcmul(shift, F.layer_norm(x, (x.shape[-1],), eps=1e-6), 1 + scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["strided", "broadcast"])
+@pytest.mark.parametrize("dim", [3072, 6144, 5000])
+@pytest.mark.parametrize("tokens", [1, 7, 4608])
+def test_addcmul_modulation_bit_exact(tokens, dim, layout, dtype, gen):
+    """`addcmul=True` (ComfyUI's rounding: one for the product and the sum) on random and edge rows,
+    gated and plain, against ComfyUI's chain written out."""
+    residual, update = _rows(2, tokens, dim, dtype, gen), _rows(2, tokens, dim, dtype, gen)
+    gate, scale, shift = _modulation(2, dim, dtype, layout, gen)
+    cases = [("random rows", (residual, update, gate, scale, shift))]
+    cases += list(_edge_value_cases(dim, dtype, gen))
+    for name, (r, u, g, sc, sh) in cases:
+        out, residual_out = gated_resnorm(r, u, g, sc, sh, addcmul=True)
+        expected_stream = r + g * u
+        assert bits_equal(residual_out, expected_stream), name
+        assert bits_equal(out, _comfyui_modulation(expected_stream, sc, sh)), name
+        assert bits_equal(modnorm(r, sc, sh, addcmul=True), _comfyui_modulation(r, sc, sh)), name
+
+
 @pytest.mark.parametrize("dim", [4, 64, 260, 512, 1028, 2052, 16384])
 def test_small_and_large_hidden_sizes(dim, gen):
     residual, update = _rows(2, 33, dim, torch.bfloat16, gen), _rows(2, 33, dim, torch.bfloat16, gen)

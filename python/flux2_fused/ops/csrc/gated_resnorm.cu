@@ -108,12 +108,13 @@ void launch(const Params<T>& p, int terms, bool row_mod, cudaStream_t stream) {
 
 // The launch's arguments: the outputs, then the modulation (scale and shift of the first segment, or
 // of every row; scale1 and shift1 the second segment's own, None where it shares the first's), then
-// each segment's residual, update, update2 and gate (None where absent), then eps.
+// each segment's residual, update, update2 and gate (None where absent), then eps and whether the
+// modulation is aten's addcmul (ComfyUI's) rather than diffusers' two roundings.
 template <typename T>
 void run(TensorView out, Optional<TensorView> residual_out, TensorView scale, TensorView shift,
          Optional<TensorView> scale1, Optional<TensorView> shift1, TensorView r0, Optional<TensorView> u0,
          Optional<TensorView> v0, Optional<TensorView> g0, Optional<TensorView> r1, Optional<TensorView> u1,
-         Optional<TensorView> v1, Optional<TensorView> g1, double eps) {
+         Optional<TensorView> v1, Optional<TensorView> g1, double eps, bool addcmul) {
   const int terms = u0.has_value() ? (v0.has_value() ? 2 : 1) : 0;
   TVM_FFI_ICHECK(out.ndim() == 2 || out.ndim() == 3) << "out must be [B, T, D] or [T, D]";
   const int64_t dim = out.size(-1);
@@ -163,6 +164,7 @@ void run(TensorView out, Optional<TensorView> residual_out, TensorView scale, Te
   p.residual_out = residual_out.has_value() ? data<T>(*residual_out) : nullptr;
   p.dim = static_cast<int32_t>(dim);
   p.eps = static_cast<float>(eps);
+  p.addcmul = addcmul;
 
   p.rows = batch * tokens;
   if (p.rows == 0) return;
@@ -184,12 +186,12 @@ void gated_resnorm(TensorView out, Optional<TensorView> residual_out, TensorView
                    Optional<TensorView> scale1, Optional<TensorView> shift1, TensorView r0,
                    Optional<TensorView> u0, Optional<TensorView> v0, Optional<TensorView> g0,
                    Optional<TensorView> r1, Optional<TensorView> u1, Optional<TensorView> v1,
-                   Optional<TensorView> g1, double eps) {
+                   Optional<TensorView> g1, double eps, bool addcmul) {
   const DLDataType dt = out.dtype();
   if (dt.code == kDLBfloat && dt.bits == 16) {
-    run<__nv_bfloat16>(out, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1, eps);
+    run<__nv_bfloat16>(out, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1, eps, addcmul);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
-    run<__half>(out, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1, eps);
+    run<__half>(out, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1, eps, addcmul);
   } else {
     TVM_FFI_THROW(TypeError) << "gated_resnorm supports bfloat16 and float16 only";
   }

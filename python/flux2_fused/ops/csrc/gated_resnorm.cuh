@@ -5,6 +5,8 @@
 //   y   = T(T(gate * T(update + update2)) + residual) FLUX.3's two-term update: three ops (numerics 3.6)
 //   n   = layer_norm(y)                               aten's vectorized_layer_norm_kernel<T, float>
 //   out = T(T(n * T(scale + 1)) + shift)              three aten elementwise ops
+//   out = T(shift + n * T(scale + 1))                 with `addcmul`: ComfyUI's apply_mod, aten's
+//                                                     addcmul (fp32 math, one rounding to T)
 // and this kernel reproduces each rounding and aten's Welford reduction order exactly: 128 "aten
 // threads" per row, thread t owning the 4-element vectors t, t + 128, ...; a Welford push per element
 // in vector order; a shuffle-down tree over each warp; then (w0 + w2), (w1 + w3), and their sum.
@@ -166,6 +168,7 @@ struct Params {
   T* residual_out;         // [B, T, D] contiguous, or nullptr to skip writing it
   int32_t dim;             // D, a multiple of 4
   float eps;
+  bool addcmul;  // out = T(shift + n * T(scale + 1)) in fp32 (aten's addcmul), else diffusers' two roundings
 };
 
 // Where one row's inputs live: its batch, its token within its segment, and the segment.
@@ -194,6 +197,42 @@ struct RowRef {
     }
   }
 };
+
+// Step 4 of the kernel: the row's normalized values modulated and stored. kAddcmul is ComfyUI's
+// `apply_mod`, aten's addcmul(shift, n, T(scale + 1)): the product of two T values and the sum in
+// fp32, one rounding to T (docs/numerics.md, 3.7); otherwise diffusers' `n * (1 + scale) + shift`,
+// each op rounded to T (packed T-pair math, argued above).
+template <typename T, int kVecs, bool kRowMod, bool kAddcmul>
+__device__ __forceinline__ void modulate(const Params<T>& p, const RowRef<T>& ref, const Packed4<T> (&y)[kVecs],
+                                         int owned, float mean, float rstd, int64_t row) {
+  using V = Elem<T>;
+  const Segment<T>& mod = kRowMod ? *ref.seg : p.seg[0];
+  const uint2* scale = thread_base(ref.template modulation<kRowMod>(mod.scale));
+  const uint2* shift = thread_base(ref.template modulation<kRowMod>(mod.shift));
+  uint2* out = const_cast<uint2*>(thread_base(p.out + row * p.dim));
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (j < owned) {
+      const Packed4<T> sc = load_modulation<T, kRowMod>(scale, j);
+      const Packed4<T> sh = load_modulation<T, kRowMod>(shift, j);
+      Packed4<T> o;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float n0 = __fmul_rn(rstd, __fsub_rn(y[j].get(2 * h), mean));
+        const float n1 = __fmul_rn(rstd, __fsub_rn(y[j].get(2 * h + 1), mean));
+        const auto s1 = V::add(sc.p[h], V::ones());
+        const auto n = V::pack(n0, n1);
+        if constexpr (kAddcmul) {
+          o.p[h] = V::pack(__fadd_rn(V::lo(sh.p[h]), __fmul_rn(V::lo(n), V::lo(s1))),
+                           __fadd_rn(V::hi(sh.p[h]), __fmul_rn(V::hi(n), V::hi(s1))));
+        } else {
+          o.p[h] = V::add(V::mul(n, s1), sh.p[h]);
+        }
+      }
+      store(out, j, o);
+    }
+  }
+}
 
 // One block per row. All of the row's residual and update loads (and, up to 12 vectors a thread, the
 // gate's) go out at once, straight into registers; the scale and shift rows are read after the
@@ -288,26 +327,12 @@ __global__ void __launch_bounds__(kThreads) gated_resnorm_kernel(const Params<T>
   const float var = __fdiv_rn(total.m2, static_cast<float>(p.dim));
   const float rstd = rsqrtf(__fadd_rn(var, p.eps));
 
-  // 4. n = T(rstd * (y - mean)); out = T(T(n * T(scale + 1)) + shift).
-  const Segment<T>& mod = kRowMod ? *ref.seg : p.seg[0];
-  const uint2* scale = thread_base(ref.template modulation<kRowMod>(mod.scale));
-  const uint2* shift = thread_base(ref.template modulation<kRowMod>(mod.shift));
-  uint2* out = const_cast<uint2*>(thread_base(p.out + row * p.dim));
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    if (j < owned) {
-      const Packed4<T> sc = load_modulation<T, kRowMod>(scale, j);
-      const Packed4<T> sh = load_modulation<T, kRowMod>(shift, j);
-      Packed4<T> o;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float n0 = __fmul_rn(rstd, __fsub_rn(y[j].get(2 * h), mean));
-        const float n1 = __fmul_rn(rstd, __fsub_rn(y[j].get(2 * h + 1), mean));
-        const auto s1 = V::add(sc.p[h], V::ones());
-        o.p[h] = V::add(V::mul(V::pack(n0, n1), s1), sh.p[h]);
-      }
-      store(out, j, o);
-    }
+  // 4. n = T(rstd * (y - mean)); out = T(T(n * T(scale + 1)) + shift), or with addcmul
+  //    out = T(shift + n * T(scale + 1)): the branch is uniform, taken once a launch.
+  if (p.addcmul) {
+    modulate<T, kVecs, kRowMod, true>(p, ref, y, owned, mean, rstd, row);
+  } else {
+    modulate<T, kVecs, kRowMod, false>(p, ref, y, owned, mean, rstd, row);
   }
 }
 

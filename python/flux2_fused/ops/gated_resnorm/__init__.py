@@ -144,7 +144,13 @@ def decline_reason(
 
 
 def fused(
-    rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float, *, write_residual: bool
+    rows: Sequence[Segment],
+    scale: Modulation,
+    shift: Modulation,
+    eps: float,
+    *,
+    write_residual: bool,
+    addcmul: bool = False,
 ) -> Result | None:
     """(out, stream) from one kernel launch, or None where the guards decline.
 
@@ -172,9 +178,9 @@ def fused(
             if not accepted:
                 return None
     if rows[0].update is None:
-        out = launch(rows, scale, shift, eps, write_residual=False)[0]
+        out = launch(rows, scale, shift, eps, write_residual=False, addcmul=addcmul)[0]
         return out, rows[0].residual if write_residual else None
-    return launch(rows, scale, shift, eps, write_residual=write_residual)
+    return launch(rows, scale, shift, eps, write_residual=write_residual, addcmul=addcmul)
 
 
 def apply(
@@ -185,20 +191,26 @@ def apply(
     *,
     write_residual: bool,
     enabled: bool = True,
+    addcmul: bool = False,
 ) -> Result:
     """(out, stream): the site's one decision. Under a torch.compile trace the `library` operators;
     else `fused` where it accepts, else the eager chain (`reference.segments`), bit for bit the same.
     scale and shift: one tensor for every row, or a tuple with one per segment (FLUX.3's single
     block: each segment normalized and modulated with its own rows, the outputs concatenated).
     stream is None where the kernel was told not to write it. `enabled=False` (a model's switch)
-    always runs the eager chain."""
+    always runs the eager chain. `addcmul=True` is ComfyUI's modulation, `addcmul(shift, norm,
+    1 + scale)` with one rounding, where diffusers rounds the product and the sum apart."""
     if enabled and torch.compiler.is_compiling():
-        return _traced(rows, scale, shift, eps)
-    result = fused(rows, scale, shift, eps, write_residual=write_residual) if enabled else None
-    return result if result is not None else reference.segments(rows, scale, shift, eps)
+        return _traced(rows, scale, shift, eps, addcmul)
+    result = (
+        fused(rows, scale, shift, eps, write_residual=write_residual, addcmul=addcmul) if enabled else None
+    )
+    return result if result is not None else reference.segments(rows, scale, shift, eps, addcmul=addcmul)
 
 
-def _traced(rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float) -> Result:
+def _traced(
+    rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float, addcmul: bool
+) -> Result:
     """(out, stream) through the operators, which decide when the compiled graph runs: one gated
     segment is the gated operator, a concat with one modulation its stream (concatenated) through the
     plain one, and per-segment modulation each segment through its own operator, the outputs
@@ -207,7 +219,8 @@ def _traced(rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: 
 
     if reference.per_segment(rows, scale, shift):
         results = [
-            _traced([segment], sc, sh, eps) for segment, sc, sh in zip(rows, scale, shift, strict=True)
+            _traced([segment], sc, sh, eps, addcmul)
+            for segment, sc, sh in zip(rows, scale, shift, strict=True)
         ]
         if len(results) == 1:
             return results[0]
@@ -215,11 +228,9 @@ def _traced(rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: 
     if len(rows) == 1 and rows[0].gated:
         segment = rows[0]
         args = (segment.residual, segment.update, segment.gate, scale, shift, eps)
-        if segment.update2 is None:
-            return library.gated_resnorm(*args)
-        return library.gated_resnorm(*args, segment.update2)
+        return library.gated_resnorm(*args, segment.update2, addcmul)
     stream = reference.stream(rows)
-    return library.modnorm(stream, scale, shift, eps), stream
+    return library.modnorm(stream, scale, shift, eps, addcmul), stream
 
 
 def gated_resnorm(
@@ -231,9 +242,10 @@ def gated_resnorm(
     eps: float = 1e-6,
     *,
     update2: torch.Tensor | None = None,
+    addcmul: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel on one gated site, without the self-check: fresh (out, residual_out), with update2
-    the two-term update `residual + gate * (update + update2)`.
+    the two-term update `residual + gate * (update + update2)`, with addcmul ComfyUI's modulation.
 
     Inputs are never modified. Unsupported inputs raise TypeError (types, dtypes, devices) or
     ValueError (shapes, strides, alignment, sizes) naming the problem.
@@ -243,16 +255,18 @@ def gated_resnorm(
     else:
         guards.gated2.validate(residual, update, update2, gate, scale, shift)
     segment = Segment(residual, update, gate, update2=update2)
-    out, residual_out = launch([segment], scale, shift, eps, write_residual=True)
+    out, residual_out = launch([segment], scale, shift, eps, write_residual=True, addcmul=addcmul)
     assert residual_out is not None
     return out, residual_out
 
 
-def modnorm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """The kernel's no-residual variant `(1 + scale) * layer_norm(x) + shift`, without the self-check;
-    raises like `gated_resnorm`."""
+def modnorm(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6, *, addcmul: bool = False
+) -> torch.Tensor:
+    """The kernel's no-residual variant `(1 + scale) * layer_norm(x) + shift` (addcmul: ComfyUI's
+    rounding), without the self-check; raises like `gated_resnorm`."""
     guards.plain.validate(x, scale, shift)
-    return launch([Segment(x)], scale, shift, eps, write_residual=False)[0]
+    return launch([Segment(x)], scale, shift, eps, write_residual=False, addcmul=addcmul)[0]
 
 
 gated_resnorm_reference = reference.gated_resnorm

@@ -17,14 +17,21 @@ _NO_SEGMENT = (None, None, None, None)  # the second segment's residual, update,
 
 
 def launch(
-    rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float, *, write_residual: bool
+    rows: Sequence[Segment],
+    scale: Modulation,
+    shift: Modulation,
+    eps: float,
+    *,
+    write_residual: bool,
+    addcmul: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the kernel over one or two segments of rows (the second follows the first along tokens,
     both gated or both plain, both with one update or both with two); returns (out, residual_out),
     residual_out None unless write_residual, each shaped as eager's broadcasting would shape it.
 
     scale and shift: one tensor modulating every row of the launch (with per-token rows, the rows of
-    the concat), or a tuple with one per segment, each modulating its own segment's rows.
+    the concat), or a tuple with one per segment, each modulating its own segment's rows. `addcmul`:
+    the modulation rounds as aten's addcmul (ComfyUI's `apply_mod`), not as diffusers' chain.
 
     The per-site hot path: the C++ entry reads [T, D] / [B, T, D] streams and the modulation rows
     the guards accept, [D] / [1|T, D] / [1|B, 1|T, D] (one row a batch or one for all, one row a
@@ -69,6 +76,7 @@ def launch(
         first.gate,
         *second,
         float(eps),
+        bool(addcmul),
     )
     return out, residual_out
 

@@ -1,9 +1,10 @@
 """The op as torch.library operators, so torch.compile keeps the fused sites instead of breaking the graph.
 
-`torch.ops.flux2_fused.gated_resnorm(residual, update, gate, scale, shift, eps, update2=None) ->
-(out, residual_out)` and `torch.ops.flux2_fused.modnorm(x, scale, shift, eps) -> out` are `apply`:
-the fused kernel where the guards accept (checked when the op runs, not when it is traced), the
-eager chain everywhere else. update2 is FLUX.3's second update (`residual + gate * (update +
+`torch.ops.flux2_fused.gated_resnorm(residual, update, gate, scale, shift, eps, update2=None,
+addcmul=False) -> (out, residual_out)` and `torch.ops.flux2_fused.modnorm(x, scale, shift, eps,
+addcmul=False) -> out` are `apply` (addcmul: ComfyUI's modulation, one rounding): the fused kernel
+where the guards accept (checked when the op runs, not when it is traced), the eager chain everywhere
+else. update2 is FLUX.3's second update (`residual + gate * (update +
 update2)`); modulation rows may be per token. A site `apply` cannot express as one call of these
 (per-segment modulation) becomes one call per segment and a concat (`_traced`). Their fake
 implementations give Inductor the output shapes, so a compiled model plans around them; Inductor's
@@ -30,9 +31,9 @@ from .reference import Segment
 _LIB = torch.library.Library("flux2_fused", "FRAGMENT")
 _LIB.define(
     "gated_resnorm(Tensor residual, Tensor update, Tensor gate, Tensor scale, Tensor shift, float eps,"
-    " Tensor? update2=None) -> (Tensor, Tensor)"
+    " Tensor? update2=None, bool addcmul=False) -> (Tensor, Tensor)"
 )
-_LIB.define("modnorm(Tensor x, Tensor scale, Tensor shift, float eps) -> Tensor")
+_LIB.define("modnorm(Tensor x, Tensor scale, Tensor shift, float eps, bool addcmul=False) -> Tensor")
 
 
 def _gated_resnorm(
@@ -43,15 +44,18 @@ def _gated_resnorm(
     shift: torch.Tensor,
     eps: float,
     update2: torch.Tensor | None = None,
+    addcmul: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     segment = Segment(residual, update, gate, update2=update2)
-    out, residual_out = apply([segment], scale, shift, eps, write_residual=True)
+    out, residual_out = apply([segment], scale, shift, eps, write_residual=True, addcmul=addcmul)
     assert residual_out is not None
     return out, residual_out
 
 
-def _modnorm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
-    return apply([Segment(x)], scale, shift, eps, write_residual=False)[0]
+def _modnorm(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, addcmul: bool = False
+) -> torch.Tensor:
+    return apply([Segment(x)], scale, shift, eps, write_residual=False, addcmul=addcmul)[0]
 
 
 def _autograd_kernel(op: Callable, eager: Callable) -> Callable:
@@ -76,7 +80,7 @@ _LIB.impl("modnorm", _autograd_kernel(modnorm, reference.modnorm), "Autograd")
 
 
 @torch.library.register_fake("flux2_fused::gated_resnorm", lib=_LIB)
-def _(residual, update, gate, scale, shift, eps, update2=None):
+def _(residual, update, gate, scale, shift, eps, update2=None, addcmul=False):
     updates = (update.shape,) if update2 is None else (update.shape, update2.shape)
     residual_shape = torch.broadcast_shapes(residual.shape, gate.shape, *updates)
     out_shape = torch.broadcast_shapes(residual_shape, scale.shape, shift.shape)
@@ -84,5 +88,5 @@ def _(residual, update, gate, scale, shift, eps, update2=None):
 
 
 @torch.library.register_fake("flux2_fused::modnorm", lib=_LIB)
-def _(x, scale, shift, eps):
+def _(x, scale, shift, eps, addcmul=False):
     return x.new_empty(torch.broadcast_shapes(x.shape, scale.shape, shift.shape))

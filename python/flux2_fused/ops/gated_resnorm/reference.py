@@ -64,9 +64,16 @@ class Segment:
 Modulation = torch.Tensor | tuple[torch.Tensor, ...]
 
 
-def modnorm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """`(1 + scale) * layer_norm(x) + shift`, LayerNorm without affine, as eager computes it."""
-    return (1 + scale) * F.layer_norm(x, (x.shape[-1],), eps=eps) + shift
+def modnorm(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6, addcmul: bool = False
+) -> torch.Tensor:
+    """`(1 + scale) * layer_norm(x) + shift`, LayerNorm without affine, as eager computes it; with
+    `addcmul`, ComfyUI's `apply_mod`: `torch.addcmul(shift, layer_norm(x), 1 + scale)`, whose product
+    and sum round once (docs/numerics.md, 3.7)."""
+    normed = F.layer_norm(x, (x.shape[-1],), eps=eps)
+    if addcmul:
+        return torch.addcmul(shift, normed, 1 + scale)
+    return (1 + scale) * normed + shift
 
 
 def gated_resnorm(
@@ -77,11 +84,12 @@ def gated_resnorm(
     shift: torch.Tensor,
     eps: float = 1e-6,
     update2: torch.Tensor | None = None,
+    addcmul: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, residual_out): `residual_out = residual + gate * update` (with update2:
-    `residual + gate * (update + update2)`), then its modulated norm."""
+    `residual + gate * (update + update2)`), then its modulated norm (`addcmul`: as `modnorm`)."""
     residual_out = Segment(residual, update, gate, update2=update2).materialize()
-    return modnorm(residual_out, scale, shift, eps), residual_out
+    return modnorm(residual_out, scale, shift, eps, addcmul=addcmul), residual_out
 
 
 def per_segment(rows: Sequence[Segment], scale: Modulation, shift: Modulation) -> bool:
@@ -101,7 +109,7 @@ def per_segment(rows: Sequence[Segment], scale: Modulation, shift: Modulation) -
 
 
 def segments(
-    rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float = 1e-6
+    rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float = 1e-6, *, addcmul: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, stream) for a site over one or two segments.
 
@@ -111,12 +119,15 @@ def segments(
     concatenated along tokens (text first, as diffusers' `cat([norm_text, norm_image], dim=1)`).
     LayerNorm and the modulation act row by row, so where the segments share one modulation the two
     forms give the same bits (docs/numerics.md, 3.6); each is written as its model writes it.
+    `addcmul`: the modulation as `modnorm` computes it then.
     """
     parts = [segment.materialize() for segment in rows]
     joint = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     if not per_segment(rows, scale, shift):
-        return modnorm(joint, scale, shift, eps), joint
-    outs = [modnorm(part, sc, sh, eps) for part, sc, sh in zip(parts, scale, shift, strict=True)]
+        return modnorm(joint, scale, shift, eps, addcmul=addcmul), joint
+    outs = [
+        modnorm(part, sc, sh, eps, addcmul=addcmul) for part, sc, sh in zip(parts, scale, shift, strict=True)
+    ]
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), joint
 
 

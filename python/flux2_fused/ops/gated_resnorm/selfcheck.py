@@ -4,13 +4,15 @@ The guards prove what metadata can; this proves the rest on the machine at hand 
 compiler and torch build). It feeds what breaks naive kernels: constant rows (variance 0), huge and
 tiny magnitudes, NaN and +-Inf, FLUX.2's strided per-batch modulation and broadcast rows, FLUX.3's
 per-token modulation (chunks of a [B, T, 3D] tensor), its two-term update and its single block's
-two segments with their own modulation, the plain variant, and rows of random bit patterns in
+two segments with their own modulation, the plain variant, each with diffusers' and ComfyUI's
+(addcmul) modulation rounding, and rows of random bit patterns in
 every input (the packed pair math's equality with eager rests on the hardware's rounding:
 docs/numerics.md).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -112,18 +114,21 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
             noise[5],
         ),
     }
-    for name, (rows, sc, sh) in cases.items():
+    # Every case with diffusers' modulation and with ComfyUI's (aten's addcmul, one rounding).
+    for (name, (rows, sc, sh)), addcmul in itertools.product(cases.items(), (False, True)):
         gated = rows[0].gated
-        out, residual_out = launch(rows, sc, sh, 1e-6, write_residual=gated)
-        ref_out, ref_stream = reference.segments(rows, sc, sh)
+        out, residual_out = launch(rows, sc, sh, 1e-6, write_residual=gated, addcmul=addcmul)
+        ref_out, ref_stream = reference.segments(rows, sc, sh, addcmul=addcmul)
+        where = f"{name}{', addcmul' if addcmul else ''}"
         if gated and (residual_out is None or not bits_equal(residual_out, ref_stream)):
-            return False, f"{name}: residual_out differs from eager"
+            return False, f"{where}: residual_out differs from eager"
         if not bits_equal(out, ref_out):
-            return False, f"{name}: out differs from eager"
+            return False, f"{where}: out differs from eager"
     torch.cuda.synchronize(device)
     return True, (
-        f"{len(cases)} cases x [{batch}, {tokens}, {dim}] {dtype} (per-batch, broadcast and per-token "
-        "modulation, two-term updates, two segments), random + edge rows + random bits"
+        f"{2 * len(cases)} cases x [{batch}, {tokens}, {dim}] {dtype} (per-batch, broadcast and per-token "
+        "modulation, two-term updates, two segments, diffusers' and addcmul rounding), random + edge "
+        "rows + random bits"
     )
 
 

@@ -1,0 +1,152 @@
+"""ComfyUI as a host of the block code: its FLUX modules, its ops' norms, its attention function.
+
+A `ComfyHost` implements `flux2_fused.host.Host` for ComfyUI's `comfy.ldm.flux` model:
+- ComfyUI's blocks name their submodules otherwise than diffusers (`img_attn.qkv`, `txt_mlp`,
+  `linear1`), so the family's ComfyUI binding hands the block code `View`s: namespaces that carry
+  diffusers' names for ComfyUI's modules, and stand for the modules they cover. A view is plain
+  where every module it covers is;
+- a module is plain where it is one of ComfyUI's FLUX classes (or a PyTorch container or
+  activation), nothing hooks it and its class's methods are ComfyUI's own;
+- norms are `comfy.ops` classes (one per weight-handling mode: `disable_weight_init`,
+  `manual_cast`, ComfyUI's fp8 and mixed-precision ops subclass them): `layer_norm` vouches for an
+  affine-free one, `rms_norm` for one that computes PyTorch's RMSNorm on its own weight (not cast or
+  patched per call, which ComfyUI's low-VRAM mode and weight functions do). An RMSNorm built without
+  eps (ComfyUI's q/k norms) uses aten's default, the float32 machine epsilon for 16-bit rows;
+- projections are the modules' own calls, so ComfyUI's LoRA weight functions, casts and fp8 scaled
+  weights run as in ComfyUI;
+- the attention is ComfyUI's `optimized_attention` as `comfy.ldm.flux.math` finds it, with the
+  block's transformer options, handed q, k, v as ComfyUI's blocks hand them ([B, H, S, hd]).
+The binding (`flux2_fused.models.flux2.comfyui`) runs a model's call on the block code only where all
+of it is plain, so `call` never has to run a view.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...host import Attention, ModuleHost, RMSNormParameters, methods_unpatched, unwrapped
+
+FLUX_MATH = "comfy.ldm.flux.math"
+FLUX_LAYERS = "comfy.ldm.flux.layers"
+# PyTorch modules the block code computes itself where nothing wraps them: the activations and the
+# MLPs' `nn.Sequential` containers.
+TORCH_CLASSES = frozenset({nn.SiLU, nn.GELU, nn.Sequential})
+
+
+class View:
+    """ComfyUI modules under the names the family's block code reads (`norm1`, `attn.to_qkv`,
+    `ff.linear_in`, ...). `modules` are the ComfyUI modules whose forwards the view's user replaces:
+    the view is plain where each of them is."""
+
+    def __init__(self, modules: tuple[nn.Module, ...], **names: Any) -> None:
+        self.modules = modules
+        self.__dict__.update(names)
+
+    def __repr__(self) -> str:
+        return f"View({', '.join(type(m).__name__ for m in self.modules)})"
+
+
+@functools.cache
+def _comfy_function(fn: Any, module_name: str) -> bool:
+    """Whether `fn` is a function ComfyUI's module `module_name` defines (not a replacement); kept
+    per function object, so a replacement is looked at once."""
+    module = sys.modules.get(module_name)
+    code = getattr(fn, "__code__", None)
+    path = getattr(module, "__file__", None)
+    return (
+        code is not None
+        and path is not None
+        and getattr(fn, "__module__", None) == module_name
+        and Path(code.co_filename).resolve() == Path(path).resolve()
+    )
+
+
+def flux_math_unpatched() -> bool:
+    """ComfyUI's FLUX attention path is its own: the blocks' `attention` and the `apply_rope` it calls
+    are `comfy.ldm.flux.math`'s functions. A tool that replaces either (a custom attention or RoPE)
+    is honored: the blocks then run ComfyUI's own forward."""
+    math, layers = sys.modules.get(FLUX_MATH), sys.modules.get(FLUX_LAYERS)
+    if math is None or layers is None:
+        return False
+    return all(_comfy_function(fn, FLUX_MATH) for fn in (layers.attention, math.attention, math.apply_rope))
+
+
+class ComfyHost(ModuleHost):
+    """The ComfyUI host (see the module docstring): `classes` are ComfyUI's FLUX classes whose
+    forward the block code reproduces; `layer_norm_class` and `rms_norm_class` are `comfy.ops`'
+    norm bases (`disable_weight_init.LayerNorm` / `.RMSNorm`)."""
+
+    def __init__(self, classes: frozenset[type], layer_norm_class: type, rms_norm_class: type) -> None:
+        super().__init__(TORCH_CLASSES | classes)
+        self.layer_norm_class = layer_norm_class
+        self.rms_norm_class = rms_norm_class
+
+    def plain(self, module: nn.Module | View) -> bool:
+        if isinstance(module, View):
+            return all(self.plain(m) for m in module.modules)
+        return super().plain(module)
+
+    def _op_plain(self, module: nn.Module, base: type) -> bool:
+        """A `comfy.ops` module of `base`'s family computes its PyTorch class's forward: nothing hooks
+        it, its class's methods are ComfyUI's, and no weight or bias function patches it per call."""
+        return (
+            isinstance(module, base)
+            and unwrapped(module)
+            and methods_unpatched(type(module))
+            and not getattr(module, "weight_function", None)
+            and not getattr(module, "bias_function", None)
+        )
+
+    def layer_norm(self, module: nn.Module) -> float | None:
+        if self._op_plain(module, self.layer_norm_class) and module.weight is None and module.bias is None:
+            return module.eps
+        return super().layer_norm(module)
+
+    def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
+        if (
+            self._op_plain(module, self.rms_norm_class)
+            and not module.comfy_cast_weights
+            and module.weight is not None
+        ):
+            # aten's rms_norm without eps takes its opmath type's epsilon: float32's for 16-bit rows.
+            eps = module.eps if module.eps is not None else torch.finfo(torch.float32).eps
+            return module.weight, eps
+        return super().rms_norm(module)
+
+    def attention(
+        self, attn: nn.Module | View, options: Mapping[str, Any] | None, text_tokens: int
+    ) -> Attention | None:
+        """ComfyUI's `optimized_attention` (as its FLUX blocks find it, with the block's transformer
+        options, so an attention override in them applies) on q, k, v [B, S, H, hd] handed over as
+        the [B, H, S, hd] views ComfyUI's blocks pass -> [B, S, H * hd]; None where the attention
+        module is not plain or a tool replaced ComfyUI's FLUX attention functions."""
+        if not self.plain(attn) or not flux_math_unpatched():
+            return None
+        optimized_attention = sys.modules[FLUX_MATH].optimized_attention
+        transformer_options = {} if options is None else options
+
+        def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+            return optimized_attention(
+                q, k, v, q.shape[1], skip_reshape=True, mask=None, transformer_options=transformer_options
+            )
+
+        return attend
+
+    def call(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """A module's own call; a view is never called (the binding runs a call on the block code
+        only where every view is plain), so reaching one here fails loudly instead of computing
+        something else."""
+        if isinstance(module, View):
+            raise RuntimeError(f"flux2-fused: {module!r} called: ComfyUI's blocks take other arguments")
+        return module(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"ComfyHost({len(self.classes)} plain classes)"

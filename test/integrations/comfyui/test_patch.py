@@ -1,0 +1,131 @@
+"""ComfyUI's own FLUX.2 model: `enable()` on ComfyUI's `Flux` gives ComfyUI's output bit for bit, with
+every block through the family's block code (on the CPU the ops run their eager chains; with the
+guards forced to accept, the fused branches; the GPU tests run the kernels), and every call the block
+code does not implement runs ComfyUI's own forward, with a warning that says why."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from ...conftest import count_block_code
+from . import support
+
+flux_module = support.import_comfy()
+
+from flux2_fused.integrations.comfyui import enable  # noqa: E402
+from flux2_fused.models.flux2 import comfyui as binding  # noqa: E402
+
+
+def _bodies(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    return [
+        count_block_code(monkeypatch, name, binding) for name in ("double_block_body", "single_block_body")
+    ]
+
+
+def _run(model: torch.nn.Module, **kwargs: Any) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(**kwargs)
+
+
+def _compare(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> None:
+    """ComfyUI's output, then enable()'s with every block through the block code: equal bits."""
+    expected = _run(model, **kwargs)
+    handle = enable(model)
+    doubles, singles = _bodies(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no call may decline
+        patched = _run(model, **kwargs)
+    handle.disable()
+    assert torch.equal(patched, expected)
+    assert (len(doubles), len(singles)) == (support.TINY["depth"], support.TINY["depth_single_blocks"])
+    assert torch.equal(_run(model, **kwargs), expected)  # disabled: ComfyUI's own forward
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_comfyui_output_bit_for_bit(dtype: torch.dtype, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    _compare(support.flux(dtype), monkeypatch, **support.inputs(dtype, batch))
+
+
+def test_reference_latents_and_guidance(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLUX.2 dev's guidance embedding, and an edit's reference latents (their rows join the image's;
+    the output keeps the image's)."""
+    dtype = torch.bfloat16
+    model = support.flux(dtype, guidance_embed=True)
+    kwargs = support.inputs(dtype)
+    kwargs["guidance"] = torch.full((2,), 3.5, dtype=dtype)
+    kwargs["ref_latents"] = [support.inputs(dtype, seed=5, height=4, width=3)["x"]]
+    _compare(model, monkeypatch, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_fused_branches_are_comfyui_bit_for_bit(
+    dtype: torch.dtype, gated_resnorm_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the norm's guards accepting (its reference as the kernel, rounding as addcmul does): each
+    modulated norm one launch, pending residuals consumed by the next norm, ComfyUI's bits."""
+    _compare(support.flux(dtype), monkeypatch, **support.inputs(dtype))
+    tiny = support.TINY
+    assert len(gated_resnorm_on_cpu) == 4 * tiny["depth"] + tiny["depth_single_blocks"] + 1
+
+
+def _declines(model: torch.nn.Module, reason: str, **kwargs: Any) -> None:
+    """ComfyUI's own forward runs the call, with a warning naming `reason`, and gives its bits."""
+    expected = _run(model, **kwargs)
+    handle = enable(model)
+    with pytest.warns(RuntimeWarning, match=reason):
+        patched = _run(model, **kwargs)
+    handle.disable()
+    assert torch.equal(patched, expected)
+
+
+def test_flux1_runs_comfyui_forward() -> None:
+    flux1 = {"global_modulation": False, "mlp_silu_act": False, "qkv_bias": True, "ops_bias": True}
+    y = torch.zeros(2, 32, dtype=torch.bfloat16)
+    _declines(support.flux(**flux1, vec_in_dim=32), "not a FLUX.2 model", **support.inputs(), y=y)
+
+
+def test_block_replacements_run_comfyui_forward() -> None:
+    def replace(args: dict, extra: dict) -> dict:
+        return extra["original_block"](args)
+
+    options = {"patches_replace": {"dit": {("double_block", 0): replace}}}
+    _declines(support.flux(), "block replacements", **support.inputs(), transformer_options=options)
+
+
+def test_attention_patches_run_comfyui_forward() -> None:
+    options = {"patches": {"attn1_output_patch": [lambda attn, extra: attn * 1]}}
+    _declines(support.flux(), "attn1_output_patch", **support.inputs(), transformer_options=options)
+
+
+def test_a_hooked_block_runs_comfyui_forward() -> None:
+    model = support.flux()
+    model.single_blocks[1].register_forward_hook(lambda module, args, out: out)
+    _declines(model, "single block", **support.inputs())
+
+
+def test_a_replaced_rope_function_runs_comfyui_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    import comfy.ldm.flux.math as flux_math
+
+    real = flux_math.apply_rope
+    monkeypatch.setattr(flux_math, "apply_rope", lambda q, k, pe: real(q, k, pe))
+    _declines(support.flux(), "RoPE function is replaced", **support.inputs())
+
+
+def test_enable_refuses_other_models() -> None:
+    with pytest.raises(TypeError, match="ComfyUI's FLUX model"):
+        enable(torch.nn.Linear(2, 2))
+
+
+def test_switch_off_runs_every_site_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = support.flux()
+    expected = _run(model, **support.inputs())
+    handle = enable(model, fused=False)
+    doubles, _ = _bodies(monkeypatch)
+    assert torch.equal(_run(model, **support.inputs()), expected)
+    assert len(doubles) == support.TINY["depth"]
+    assert "fused=False" in repr(handle)
