@@ -73,7 +73,7 @@ from torch.profiler import ProfilerActivity, profile
 from ..errors import BadValue, CommandError
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from ..models.flux2.model import folder_config
-from . import flux1, flux3, hosts
+from . import comfyui, flux1, flux3, hosts
 from .classify import tally
 from .floor import floor_step
 from .options import PX_PER_TOKEN, check_output, diffusers_only, no_package_model, require_at_least_one
@@ -220,7 +220,13 @@ class Subject:
         self.name = name
         self.family = DIFFUSERS_FAMILIES.get(diffusers_only(name) or "")
         self.diffusers = self.family is not None or host == "diffusers"
+        self.comfyui = host == "comfyui"
         self._twins: dict[bool, nn.Module] = {}
+        if self.comfyui:  # ComfyUI's own model at a FLUX.2 size: eager is its forward, fused enable()'s
+            self.config = Flux2Config.preset(name)
+            self.model = comfyui.random_model(name, device, torch.bfloat16)
+            self.handle = self._enable(self.model)
+            return
         if self.family is not None:
             transformer = self.family.random_transformer(name, device, torch.bfloat16)
             self.model = hosts.set_up(
@@ -243,7 +249,9 @@ class Subject:
 
     def switch(self, fused: bool) -> None:
         """Set the mode: host work outside a step's timing (the diffusers host's enable()/disable())."""
-        if self.diffusers:
+        if self.comfyui:
+            self.handle.active = fused
+        elif self.diffusers:
             hosts.use_fused(self.model, fused)
         else:
             self.model.fused = fused
@@ -270,6 +278,10 @@ class Subject:
             return self.family.step_inputs(
                 self.name, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens
             )
+        if self.comfyui:
+            return comfyui.step_inputs(
+                self.config, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens
+            )
         return step_inputs(
             self.config, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens
         )
@@ -285,17 +297,25 @@ class Subject:
 
         return run
 
+    def _enable(self, model: nn.Module) -> Any:
+        """The host's enable() on `model` (diffusers' or ComfyUI's), its handle."""
+        if self.comfyui:
+            from ..integrations.comfyui import enable
+        else:
+            from ..integrations.diffusers import enable
+        return enable(model)
+
     def compiled_runner(self, inputs: dict) -> Callable[[bool], torch.Tensor]:
         """One step in either mode under torch.compile, for one shape (the compile caches cleared,
         shapes static: each size of a scan gets its own graphs, where automatic dynamic shapes would
         trace a slower symbolic one after the first change and the recompile limit would send later
         sizes to eager). Switching modes must change nothing a graph's guards may check, or a switch
         could recompile: the package's model switches a flag, a guarded attribute (one graph a
-        mode); on the diffusers host, where enable() and disable() swap forward objects, each mode
-        compiles a model of its own, diffusers' twins holding the same weight tensors, one enabled
+        mode); on the diffusers and ComfyUI hosts, where enable() and disable() swap forward objects,
+        each mode compiles a model of its own, twins holding the same weight tensors, one enabled
         once, so neither graph's model ever changes."""
         torch._dynamo.reset()
-        if not self.diffusers:
+        if not (self.diffusers or self.comfyui):
             forward = torch.compile(self.model, dynamic=False)
 
             def run_package(fused: bool) -> torch.Tensor:
@@ -308,21 +328,25 @@ class Subject:
         def run(fused: bool) -> torch.Tensor:
             if fused not in forwards:
                 forwards[fused] = torch.compile(self._twin(fused), dynamic=False)
+            if self.comfyui:
+                return forwards[fused](**inputs)
             return forwards[fused](**inputs, return_dict=False)[0]
 
         return run
 
     def _twin(self, fused: bool) -> nn.Module:
-        """A copy of the diffusers model whose modules are its own and whose weights and buffers are
+        """A copy of the host's model whose modules are its own and whose weights and buffers are
         the model's tensors (no copy), plain or with enable() on it; one of each, kept."""
         if fused not in self._twins:
-            self.switch(False)  # copy diffusers' own model, not a patched one
+            self.switch(False)  # copy the host's own model, not a patched one
             shared = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
+            if self.comfyui:  # the copy without the model's own patch
+                shared[id(self.model.__dict__["forward_orig"])] = None
             twin = copy.deepcopy(self.model, memo=shared)
+            if self.comfyui:
+                del twin.__dict__["forward_orig"]
             if fused:
-                from ..integrations.diffusers import enable
-
-                enable(twin)
+                self._enable(twin)
             self._twins[fused] = twin
         return self._twins[fused]
 
@@ -470,6 +494,9 @@ def check(args: argparse.Namespace) -> None:
         raise BadValue(
             "--compile compiles both modes; --vs-compile, --graph and --floor add modes to eager and fused"
         )
+    if args.host == "comfyui":
+        comfyui.check_options(args)
+        return
     if args.host == "package":
         if (why := no_package_model(args.configs)) is not None:
             raise BadValue(f"{why}; run it with --host diffusers")

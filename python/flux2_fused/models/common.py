@@ -79,9 +79,9 @@ def prologue(
     (`host.rms_norm`), or of more than one eps (a launch takes one), run as the host's module calls,
     and so do all of them where the tables carry the host's own rotation (`HostRope`), which then
     rotates the normalized rows."""
-    norms = qk_norms(host, (norm for _, norm in (*q, *k)))
     rotate = getattr(rope, "rotate", None)
-    if norms is None or rotate is not None:
+    norms = None if rotate is not None else qk_norms(host, (norm for _, norm in (*q, *k)))
+    if norms is None:
         # The norms as module calls, in diffusers' order: the last (image) part's q and k first.
         normed_q, normed_k = [None] * len(q), [None] * len(k)
         for i in reversed(range(len(q))):

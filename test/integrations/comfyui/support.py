@@ -10,11 +10,16 @@ Where it cannot be fetched the ComfyUI tests skip, except where `FLUX2_FUSED_REQ
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import importlib.abc
+import importlib.machinery
 import os
 import subprocess
 import sys
 import tarfile
 import tempfile
+import types
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +66,75 @@ def comfyui() -> Path:
     return root
 
 
+class _Absent(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Import-only stand-ins for packages ComfyUI's model and sampler modules import at the top but
+    never call on the FLUX path (torchvision for other models' code, torchaudio for audio VAEs), where
+    they cannot be installed beside the CPU torch: the registry's torchvision for torch 2.13 is a CUDA
+    build that fails to import, and there is no torchaudio for it. Any use raises."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def find_spec(
+        self, fullname: str, path: Any, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname.partition(".")[0] in self.names:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _AbsentModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+class _AbsentModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def absent(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"{self.__name__}.{name}: not installed beside this torch (a test stand-in)")
+
+        return absent
+
+
+def import_with_stand_ins(*modules: str) -> None:
+    """Import ComfyUI's `modules` (its model loader and sampler) with import-only stand-ins for
+    torchvision and torchaudio where those do not import, then take the stand-ins away again, so
+    nothing imported later sees them. transformers' and diffusers' tables of installed packages are
+    filled first, without them (both import torchvision's transforms where they believe it is)."""
+    import_comfy()
+    for table in ("transformers.utils.import_utils", "diffusers.utils.import_utils"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(table)
+    missing = set()
+    for name in ("torchvision", "torchaudio"):
+        try:
+            importlib.import_module(name)
+        except Exception:  # absent, or a build for another torch that fails at import
+            missing.add(name)
+    finder = _Absent(missing)
+    sys.meta_path.insert(0, finder)
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    finally:
+        sys.meta_path.remove(finder)
+        for key in [key for key in sys.modules if key.partition(".")[0] in missing]:
+            del sys.modules[key]
+
+
 def import_comfy() -> Any:
     """ComfyUI's FLUX model module, imported as ComfyUI runs: its command line not parsed (pytest's
     is not ComfyUI's), on the CPU where there is no CUDA."""
     root = str(comfyui())
     if root not in sys.path:
-        sys.path.append(
-            root
-        )  # after everything else: ComfyUI's top-level modules (utils, nodes) never shadow
+        # Last on the path: ComfyUI's top-level modules (utils, nodes) never shadow anything else.
+        sys.path.append(root)
     import comfy.options
 
     comfy.options.enable_args_parsing(False)

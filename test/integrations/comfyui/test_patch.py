@@ -129,3 +129,29 @@ def test_switch_off_runs_every_site_eager(monkeypatch: pytest.MonkeyPatch) -> No
     assert torch.equal(_run(model, **support.inputs()), expected)
     assert len(doubles) == support.TINY["depth"]
     assert "fused=False" in repr(handle)
+
+
+def test_torch_compile_of_the_patched_model() -> None:
+    """torch.compile of the patched model (what ComfyUI's TorchCompileModel node compiles): the fused
+    sites become flux2_fused operators in the graph, and run eagerly the graph gives ComfyUI's bits."""
+    model = support.flux()
+    inputs = support.inputs()
+    graphs = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    expected = _run(model, **inputs)
+    handle = enable(model)
+    torch.compiler.reset()
+    compiled = _run(torch.compile(model, backend=recording_backend), **inputs)
+    handle.disable()
+    torch.compiler.reset()
+    targets = {node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert {
+        torch.ops.flux2_fused.gated_resnorm.default,
+        torch.ops.flux2_fused.modnorm.default,
+        torch.ops.flux2_fused.swiglu.default,
+    } <= targets
+    assert torch.equal(compiled, expected)

@@ -9,9 +9,9 @@ A `ComfyHost` implements `flux2_fused.host.Host` for ComfyUI's `comfy.ldm.flux` 
   activation), nothing hooks it and its class's methods are ComfyUI's own;
 - norms are `comfy.ops` classes (one per weight-handling mode: `disable_weight_init`,
   `manual_cast`, ComfyUI's fp8 and mixed-precision ops subclass them): `layer_norm` vouches for an
-  affine-free one, `rms_norm` for one that computes PyTorch's RMSNorm on its own weight (not cast or
-  patched per call, which ComfyUI's low-VRAM mode and weight functions do). An RMSNorm built without
-  eps (ComfyUI's q/k norms) uses aten's default, the float32 machine epsilon for 16-bit rows;
+  affine-free one. Its q/k RMSNorms are called as modules (`rms_norm` vouches for none): their
+  weights may be cast, streamed or patched per call, and they run beside ComfyUI's own RoPE, which
+  the binding leaves to ComfyUI (docs/numerics.md, 12);
 - projections are the modules' own calls, so ComfyUI's LoRA weight functions, casts and fp8 scaled
   weights run as in ComfyUI;
 - the attention is ComfyUI's `optimized_attention` as `comfy.ldm.flux.math` finds it, with the
@@ -22,7 +22,6 @@ of it is plain, so `call` never has to run a view.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...host import Attention, ModuleHost, RMSNormParameters, methods_unpatched, unwrapped
+from ...host import Attention, ModuleHost, methods_unpatched, unwrapped
 
 FLUX_MATH = "comfy.ldm.flux.math"
 FLUX_LAYERS = "comfy.ldm.flux.layers"
@@ -53,10 +52,12 @@ class View:
         return f"View({', '.join(type(m).__name__ for m in self.modules)})"
 
 
-@functools.cache
+# The functions `flux_math_unpatched` last looked at, and its verdict on them.
+_math_verdict: list[tuple[tuple[Any, ...], bool]] = []
+
+
 def _comfy_function(fn: Any, module_name: str) -> bool:
-    """Whether `fn` is a function ComfyUI's module `module_name` defines (not a replacement); kept
-    per function object, so a replacement is looked at once."""
+    """Whether `fn` is a function ComfyUI's module `module_name` defines (not a replacement)."""
     module = sys.modules.get(module_name)
     code = getattr(fn, "__code__", None)
     path = getattr(module, "__file__", None)
@@ -68,6 +69,18 @@ def _comfy_function(fn: Any, module_name: str) -> bool:
     )
 
 
+@torch._dynamo.assume_constant_result
+def _math_functions_own(functions: tuple[Any, ...]) -> bool:
+    """`flux_math_unpatched` for the functions ComfyUI's FLUX modules hold now; kept until they hold
+    others. A torch.compile trace (ComfyUI's TorchCompileModel) takes it as a constant (it reads
+    files), guarded by the functions it was given."""
+    if _math_verdict and _math_verdict[0][0] == functions:
+        return _math_verdict[0][1]
+    verdict = all(_comfy_function(fn, FLUX_MATH) for fn in functions)
+    _math_verdict[:] = [(functions, verdict)]
+    return verdict
+
+
 def flux_math_unpatched() -> bool:
     """ComfyUI's FLUX attention path is its own: the blocks' `attention` and the `apply_rope` it calls
     are `comfy.ldm.flux.math`'s functions. A tool that replaces either (a custom attention or RoPE)
@@ -75,18 +88,17 @@ def flux_math_unpatched() -> bool:
     math, layers = sys.modules.get(FLUX_MATH), sys.modules.get(FLUX_LAYERS)
     if math is None or layers is None:
         return False
-    return all(_comfy_function(fn, FLUX_MATH) for fn in (layers.attention, math.attention, math.apply_rope))
+    return _math_functions_own((layers.attention, math.attention, math.apply_rope))
 
 
 class ComfyHost(ModuleHost):
     """The ComfyUI host (see the module docstring): `classes` are ComfyUI's FLUX classes whose
-    forward the block code reproduces; `layer_norm_class` and `rms_norm_class` are `comfy.ops`'
-    norm bases (`disable_weight_init.LayerNorm` / `.RMSNorm`)."""
+    forward the block code reproduces; `layer_norm_class` is `comfy.ops`' LayerNorm base
+    (`disable_weight_init.LayerNorm`)."""
 
-    def __init__(self, classes: frozenset[type], layer_norm_class: type, rms_norm_class: type) -> None:
+    def __init__(self, classes: frozenset[type], layer_norm_class: type) -> None:
         super().__init__(TORCH_CLASSES | classes)
         self.layer_norm_class = layer_norm_class
-        self.rms_norm_class = rms_norm_class
 
     def plain(self, module: nn.Module | View) -> bool:
         if isinstance(module, View):
@@ -108,17 +120,6 @@ class ComfyHost(ModuleHost):
         if self._op_plain(module, self.layer_norm_class) and module.weight is None and module.bias is None:
             return module.eps
         return super().layer_norm(module)
-
-    def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
-        if (
-            self._op_plain(module, self.rms_norm_class)
-            and not module.comfy_cast_weights
-            and module.weight is not None
-        ):
-            # aten's rms_norm without eps takes its opmath type's epsilon: float32's for 16-bit rows.
-            eps = module.eps if module.eps is not None else torch.finfo(torch.float32).eps
-            return module.weight, eps
-        return super().rms_norm(module)
 
     def attention(
         self, attn: nn.Module | View, options: Mapping[str, Any] | None, text_tokens: int

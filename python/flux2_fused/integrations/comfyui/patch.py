@@ -6,9 +6,9 @@ ids), which calls `self.forward_orig`: the one method that holds the blocks. `en
 elsewhere:
 - on a `ModelPatcher` (what ComfyUI's nodes pass around as MODEL), as an object patch
   (`add_object_patch("diffusion_model.forward_orig", ...)`): ComfyUI sets it when it loads the model
-  and removes it when it unloads it, clones carry it, LoRA and other weight patches apply as they
-  do without it, and another patcher of the same model (one the node was not applied to) runs
-  ComfyUI's own method;
+  and removes it when it unloads it, clones carry it (a clone onto another model object gets a
+  patch of that model, `_on_clone`), LoRA and other weight patches apply as they do without it, and
+  another patcher of the same model (one the node was not applied to) runs ComfyUI's own method;
 - on the bare `Flux` module (or a `BaseModel` holding it as `diffusion_model`), as an instance
   attribute.
 """
@@ -24,11 +24,13 @@ from torch import nn
 
 from ...host import class_named, qualified_name
 from ...models.deferral import Fusion
+from ...models.flux2.comfyui import make_fusion, make_host
 from .. import kernels_state
 from .host import ComfyHost
 
 TRANSFORMER = "comfy.ldm.flux.model.Flux"
 OBJECT_PATCH = "diffusion_model.forward_orig"
+CALLBACK_KEY = "flux2_fused"
 
 
 def is_comfy_flux(model: object) -> bool:
@@ -87,6 +89,8 @@ class FusedForwardOrig:
         from ...models.flux2 import comfyui as binding
 
         model = self.model()
+        if model is None:  # the patch sits on another model than the one it was made for
+            raise RuntimeError("flux2-fused: a FLUX patch outlived the model it was made for")
         handle = self.handle
         if handle.active:
             out, reason = binding.forward_orig(model, handle.host, handle.fusion, args, kwargs)
@@ -111,17 +115,36 @@ def _diffusion_model(model: Any) -> tuple[nn.Module, Any]:
     return flux, patcher
 
 
+def _on_clone(original: Any, clone: Any) -> None:
+    """A ModelPatcher clone's object patch for its own model: ComfyUI copies object patches by name,
+    and some clones hold another model object than their original (TorchCompileModel's non-dynamic
+    clone, a deep copy, a multi-GPU clone), for which the copied patch would run the original's
+    blocks. Such a clone gets a patch of its own model, with the original's switches."""
+    forward = clone.object_patches.get(OBJECT_PATCH)
+    flux = getattr(clone.model, "diffusion_model", None)
+    if not isinstance(forward, FusedForwardOrig) or forward.model() is flux:
+        return
+    if not is_comfy_flux(flux):
+        del clone.object_patches[OBJECT_PATCH]
+        return
+    handle = forward.handle
+    rebound = FusedHandle(flux, handle.host, make_fusion(handle.fusion.fused), clone, handle.active)
+    clone.object_patches[OBJECT_PATCH] = FusedForwardOrig(rebound)
+
+
 def enable(model: Any, fused: bool = True) -> FusedHandle:
     """Patch a ComfyUI FLUX model in place: a `ModelPatcher` (an object patch, applied when ComfyUI
     loads it; the node patches a clone), a `BaseModel`, or the `Flux` module itself. Returns the
     handle; `handle.disable()` undoes it."""
-    from ...models.flux2.comfyui import make_fusion, make_host
-
     flux, patcher = _diffusion_model(model)
     handle = FusedHandle(flux, make_host(), make_fusion(fused), patcher)
     forward = FusedForwardOrig(handle)
     if patcher is not None:
+        from comfy.patcher_extension import CallbacksMP
+
         patcher.add_object_patch(OBJECT_PATCH, forward)
+        patcher.remove_callbacks_with_key(CallbacksMP.ON_CLONE, CALLBACK_KEY)
+        patcher.add_callback_with_key(CallbacksMP.ON_CLONE, CALLBACK_KEY, _on_clone)
     else:
         flux.forward_orig = forward
     return handle

@@ -29,7 +29,7 @@ from torch import nn
 
 from ...host import call_arguments
 from ...integrations.comfyui.host import ComfyHost, View, flux_math_unpatched
-from ..common import HostRope, activation_plain, feed_forward_plain, layer_norms_plain, qk_norms
+from ..common import HostRope, activation_plain, feed_forward_plain, layer_norms_plain
 from ..deferral import Fusion, PendingConcat, Stream, materialize, stream_rows
 from .blocks import DOUBLE_NORMS, double_block_body, single_block_body
 
@@ -65,7 +65,7 @@ def make_host() -> ComfyHost:
         layers.LastLayer,
         layers.SiLUActivation,
     }
-    return ComfyHost(frozenset(classes), ops.disable_weight_init.LayerNorm, ops.disable_weight_init.RMSNorm)
+    return ComfyHost(frozenset(classes), ops.disable_weight_init.LayerNorm)
 
 
 def saturate(x: torch.Tensor) -> torch.Tensor:
@@ -154,13 +154,10 @@ def decline_reason(
         return "ComfyUI's FLUX attention or RoPE function is replaced"
     doubles, singles = views
     for view in doubles:
-        attn = view.attn
-        norms = (attn.norm_added_q, attn.norm_q, attn.norm_added_k, attn.norm_k)
         if not (
             host.plain(view)
             and layer_norms_plain(host, view, DOUBLE_NORMS)
-            and host.attention(attn, options, 0) is not None
-            and qk_norms(host, norms) is not None
+            and host.attention(view.attn, options, 0) is not None
             and feed_forward_plain(host, view.ff)
             and feed_forward_plain(host, view.ff_context)
         ):
@@ -171,7 +168,6 @@ def decline_reason(
             host.plain(view)
             and layer_norms_plain(host, view, ("norm",))
             and host.attention(attn, options, 0) is not None
-            and qk_norms(host, (attn.norm_q, attn.norm_k)) is not None
             and activation_plain(host, attn.mlp_act_fn)
         ):
             return "a single block is hooked, patched or holds modules of other classes"
