@@ -814,3 +814,36 @@ def test_every_decline_reason_in_the_module_has_a_case() -> None:
     assert len(templates) >= 15  # the walk found the reasons at all
     missing = untested(templates, produced)
     assert not missing, f"decline reasons without a test case: {missing}"
+
+
+def _comfyui_rows(dim: int = 3072, tokens: int = 5) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """One gated segment with ComfyUI's FLUX.2 modulation: strided [B, 1, D] chunk views."""
+    residual, update = torch.randn(2, tokens, dim), torch.randn(2, tokens, dim)
+    shift, scale, gate = torch.randn(2, 1, 3 * dim).chunk(3, dim=-1)
+    return [gated_resnorm.Segment(residual, update, gate)], scale, shift
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ("per-token", "one modulation row a batch, not per-token rows"),
+        ("update2", "one-term updates"),
+        ("wide", "D up to 6144, got 8192"),
+        ("per-segment", "one scale and shift for every row"),
+    ],
+)
+def test_addcmul_declines_what_comfyuis_sites_do_not_use(change: str, reason: str) -> None:
+    """ComfyUI's modulation rounding is built for its FLUX.2 sites only; anything else declines with
+    a reason (its eager chain, `reference`, runs instead)."""
+    rows, scale, shift = _comfyui_rows(8192 if change == "wide" else 3072)
+    if change == "per-token":
+        scale = torch.randn(2, 5, 3072)
+    elif change == "update2":
+        segment = rows[0]
+        rows = [gated_resnorm.Segment(segment.residual, segment.update, segment.gate, update2=segment.update)]
+    elif change == "per-segment":
+        scale, shift = (scale,), (shift,)
+    found = gated_resnorm.addcmul_reason(rows, scale, shift)
+    assert found is not None and found.endswith(reason)
+    assert gated_resnorm.decline_reason(rows, scale, shift, addcmul=True) == found
+    assert gated_resnorm.addcmul_reason(*_comfyui_rows()) is None

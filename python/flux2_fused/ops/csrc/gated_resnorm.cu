@@ -63,14 +63,35 @@ Segment<T> make_segment(const TensorView& r, const Optional<TensorView>& u, cons
   return s;
 }
 
-template <typename T, int kVecs, int kTerms, bool kRowMod>
+template <typename T, int kVecs, int kTerms, bool kRowMod, bool kAddcmul = false>
 void launch_kernel(const Params<T>& p, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>(p.rows);
   if (p.dim == 4 * kThreads * kVecs) {
-    gated_resnorm_kernel<T, kVecs, kTerms, kRowMod, true><<<grid, kThreads, 0, stream>>>(p);
+    gated_resnorm_kernel<T, kVecs, kTerms, kRowMod, true, kAddcmul><<<grid, kThreads, 0, stream>>>(p);
   } else {
-    gated_resnorm_kernel<T, kVecs, kTerms, kRowMod, false><<<grid, kThreads, 0, stream>>>(p);
+    gated_resnorm_kernel<T, kVecs, kTerms, kRowMod, false, kAddcmul><<<grid, kThreads, 0, stream>>>(p);
   }
+}
+
+// ComfyUI's modulation rounding: one modulation row a batch, one-term updates (or none), D <= 6144
+// (ComfyUI's FLUX.2 sizes: 3072, 4096, 6144); the Python guards decline everything else first.
+template <typename T, int kVecs>
+void launch_addcmul_terms(const Params<T>& p, int terms, cudaStream_t stream) {
+  if (terms == 0) return launch_kernel<T, kVecs, 0, false, true>(p, stream);
+  return launch_kernel<T, kVecs, 1, false, true>(p, stream);
+}
+
+template <typename T>
+void launch_addcmul(const Params<T>& p, int terms, bool row_mod, cudaStream_t stream) {
+  const int64_t need = (p.dim / 4 + kThreads - 1) / kThreads;
+  TVM_FFI_ICHECK(!row_mod && terms < 2 && need <= 12)
+      << "addcmul modulation takes one modulation row a batch, one update and D <= 6144";
+  if (need <= 1) return launch_addcmul_terms<T, 1>(p, terms, stream);
+  if (need <= 2) return launch_addcmul_terms<T, 2>(p, terms, stream);
+  if (need <= 4) return launch_addcmul_terms<T, 4>(p, terms, stream);
+  if (need <= 6) return launch_addcmul_terms<T, 6>(p, terms, stream);
+  if (need <= 8) return launch_addcmul_terms<T, 8>(p, terms, stream);
+  return launch_addcmul_terms<T, 12>(p, terms, stream);
 }
 
 template <typename T, int kVecs, bool kRowMod>
@@ -164,7 +185,6 @@ void run(TensorView out, Optional<TensorView> residual_out, TensorView scale, Te
   p.residual_out = residual_out.has_value() ? data<T>(*residual_out) : nullptr;
   p.dim = static_cast<int32_t>(dim);
   p.eps = static_cast<float>(eps);
-  p.addcmul = addcmul;
 
   p.rows = batch * tokens;
   if (p.rows == 0) return;
@@ -177,7 +197,11 @@ void run(TensorView out, Optional<TensorView> residual_out, TensorView scale, Te
   }
   tvm::ffi::CUDADeviceGuard device_guard(dev.device_id);
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
-  launch<T>(p, terms, row_mod, stream);
+  if (addcmul) {
+    launch_addcmul<T>(p, terms, row_mod, stream);
+  } else {
+    launch<T>(p, terms, row_mod, stream);
+  }
   const cudaError_t err = cudaGetLastError();
   TVM_FFI_ICHECK(err == cudaSuccess) << "gated_resnorm launch failed: " << cudaGetErrorString(err);
 }
@@ -189,7 +213,8 @@ void gated_resnorm(TensorView out, Optional<TensorView> residual_out, TensorView
                    Optional<TensorView> g1, double eps, bool addcmul) {
   const DLDataType dt = out.dtype();
   if (dt.code == kDLBfloat && dt.bits == 16) {
-    run<__nv_bfloat16>(out, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1, eps, addcmul);
+    run<__nv_bfloat16>(out, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1, eps,
+                       addcmul);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
     run<__half>(out, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1, eps, addcmul);
   } else {

@@ -168,7 +168,6 @@ struct Params {
   T* residual_out;         // [B, T, D] contiguous, or nullptr to skip writing it
   int32_t dim;             // D, a multiple of 4
   float eps;
-  bool addcmul;  // out = T(shift + n * T(scale + 1)) in fp32 (aten's addcmul), else diffusers' two roundings
 };
 
 // Where one row's inputs live: its batch, its token within its segment, and the segment.
@@ -247,7 +246,10 @@ __device__ __forceinline__ void modulate(const Params<T>& p, const RowRef<T>& re
 // kVecs: the most 4-element vectors one thread owns, ceil(D / 512) rounded up to an instantiated size.
 // kFull: D == 512 kVecs, so every thread owns exactly kVecs vectors; the compiler then drops every
 // bounds predicate and folds the Welford counts to constants.
-template <typename T, int kVecs, int kTerms, bool kRowMod, bool kFull>
+// kAddcmul: ComfyUI's modulation rounding (`modulate`); instantiated only where ComfyUI's FLUX.2 needs
+// it (one modulation row a batch, one-term updates, D <= 6144), so FLUX.2's and FLUX.3's kernels are
+// the ones they were.
+template <typename T, int kVecs, int kTerms, bool kRowMod, bool kFull, bool kAddcmul>
 __global__ void __launch_bounds__(kThreads) gated_resnorm_kernel(const Params<T> p) {
   using V = Elem<T>;
   static_assert(kTerms >= 0 && kTerms <= 2, "kTerms is 0 (plain), 1 or 2 (update + update2)");
@@ -327,13 +329,9 @@ __global__ void __launch_bounds__(kThreads) gated_resnorm_kernel(const Params<T>
   const float var = __fdiv_rn(total.m2, static_cast<float>(p.dim));
   const float rstd = rsqrtf(__fadd_rn(var, p.eps));
 
-  // 4. n = T(rstd * (y - mean)); out = T(T(n * T(scale + 1)) + shift), or with addcmul
-  //    out = T(shift + n * T(scale + 1)): the branch is uniform, taken once a launch.
-  if (p.addcmul) {
-    modulate<T, kVecs, kRowMod, true>(p, ref, y, owned, mean, rstd, row);
-  } else {
-    modulate<T, kVecs, kRowMod, false>(p, ref, y, owned, mean, rstd, row);
-  }
+  // 4. n = T(rstd * (y - mean)); out = T(T(n * T(scale + 1)) + shift), or with kAddcmul
+  //    out = T(shift + n * T(scale + 1)).
+  modulate<T, kVecs, kRowMod, kAddcmul>(p, ref, y, owned, mean, rstd, row);
 }
 
 }  // namespace flux2_fused

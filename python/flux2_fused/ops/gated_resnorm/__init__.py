@@ -25,8 +25,10 @@ import torch
 
 from . import guards, reference
 from .guards import (
+    ADDCMUL_MAX_DIM,
     MAX_DIM,
     SUPPORTED_DTYPES,
+    addcmul_reason,
     defer_decline_reason,
     gated_resnorm_decline_reason,
     modnorm_decline_reason,
@@ -130,10 +132,17 @@ def defer(
 
 
 def decline_reason(
-    rows: Sequence[Segment], scale: Modulation, shift: Modulation, *, write_residual: bool = True
+    rows: Sequence[Segment],
+    scale: Modulation,
+    shift: Modulation,
+    *,
+    write_residual: bool = True,
+    addcmul: bool = False,
 ) -> str | None:
-    """Why `fused(rows, ...)` declines, or None when it launches the kernel."""
+    """Why `fused(rows, ..., addcmul=addcmul)` declines, or None when it launches the kernel."""
     reason = _rows_reason(rows, scale, shift, write_residual)
+    if reason is None and addcmul:
+        reason = addcmul_reason(rows, scale, shift)
     if reason is not None:
         return reason
     per_segment = type(scale) is tuple
@@ -160,6 +169,8 @@ def fused(
     """
     try:
         if _rows_reason(rows, scale, shift, write_residual) is not None:
+            return None
+        if addcmul and addcmul_reason(rows, scale, shift) is not None:
             return None
     except Exception:  # not segments of tensors: declined, as the guards decline garbage
         return None
@@ -255,6 +266,7 @@ def gated_resnorm(
     else:
         guards.gated2.validate(residual, update, update2, gate, scale, shift)
     segment = Segment(residual, update, gate, update2=update2)
+    _validate_addcmul([segment], scale, shift, addcmul)
     out, residual_out = launch([segment], scale, shift, eps, write_residual=True, addcmul=addcmul)
     assert residual_out is not None
     return out, residual_out
@@ -266,13 +278,21 @@ def modnorm(
     """The kernel's no-residual variant `(1 + scale) * layer_norm(x) + shift` (addcmul: ComfyUI's
     rounding), without the self-check; raises like `gated_resnorm`."""
     guards.plain.validate(x, scale, shift)
+    _validate_addcmul([Segment(x)], scale, shift, addcmul)
     return launch([Segment(x)], scale, shift, eps, write_residual=False, addcmul=addcmul)[0]
+
+
+def _validate_addcmul(rows: Sequence[Segment], scale: Modulation, shift: Modulation, addcmul: bool) -> None:
+    reason = addcmul_reason(rows, scale, shift) if addcmul else None
+    if reason is not None:
+        raise ValueError(f"flux2-fused: {reason}")
 
 
 gated_resnorm_reference = reference.gated_resnorm
 modnorm_reference = reference.modnorm
 
 __all__ = [
+    "ADDCMUL_MAX_DIM",
     "KERNEL",
     "MAX_DIM",
     "OP",
@@ -280,6 +300,7 @@ __all__ = [
     "Config",
     "Modulation",
     "Segment",
+    "addcmul_reason",
     "apply",
     "decline_reason",
     "defer",

@@ -17,6 +17,7 @@ import torch
 
 from .. import runtime
 from ..verdicts import Guard, Reason, TypeReason
+from .reference import Modulation, Segment
 from .selfcheck import OP, Config
 
 SUPPORTED_DTYPES = runtime.SUPPORTED_DTYPES
@@ -162,3 +163,23 @@ def defer_decline_reason(residual: Any, update: Any, gate: Any, *, update2: Any 
 def modnorm_decline_reason(x: Any, scale: Any, shift: Any) -> Reason:
     """Why the fused `modnorm` (no residual) declines these inputs, or None when it accepts them."""
     return plain.reason(x, scale, shift)
+
+
+# ComfyUI's modulation rounding (`addcmul=True`) is built for ComfyUI's FLUX.2 sites only: one scale
+# and shift row a batch, one-term updates, D up to 6144 (its klein-4B, klein-9B and dev widths).
+ADDCMUL_MAX_DIM = 6144
+
+
+def addcmul_reason(rows: Sequence[Segment], scale: Modulation, shift: Modulation) -> str | None:
+    """What the kernel's addcmul rounding does not cover in these rows, or None."""
+    if type(scale) is tuple or type(shift) is tuple:
+        return "addcmul modulation takes one scale and shift for every row"
+    if any(segment.update2 is not None for segment in rows):
+        return "addcmul modulation takes one-term updates"
+    dim = rows[0].residual.shape[-1]
+    if dim > ADDCMUL_MAX_DIM:
+        return f"addcmul modulation takes D up to {ADDCMUL_MAX_DIM}, got {dim}"
+    gates = [segment.gate for segment in rows if segment.gate is not None]
+    if any(t.dim() >= 2 and t.shape[-2] != 1 for t in (scale, shift, *gates)):
+        return "addcmul modulation takes one modulation row a batch, not per-token rows"
+    return None
