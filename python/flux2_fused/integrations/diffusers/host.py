@@ -90,13 +90,10 @@ class DiffusersHost(ModuleHost):
 
     def _attention_plain(self, attn: nn.Module) -> bool:
         """The attention module's forward may be replaced by the block code (its processor aside):
-        a family class, unfused projections, no hooks, the parameter-free dropout of `to_out`
-        (diffusers keeps one at index 1 in the double block) inactive."""
-        return (
-            self.plain(attn)
-            and not getattr(attn, "fused_projections", False)
-            and output_dropout_inactive(self, attn)
-        )
+        a family class, no hooks, the parameter-free dropout of `to_out` (diffusers keeps one at
+        index 1 in the double block) inactive. Fused projections (`fuse_qkv_projections()`) are the
+        block code's too (`common.qkv_projections`)."""
+        return self.plain(attn) and output_dropout_inactive(self, attn)
 
     @staticmethod
     def dispatch(processor: Any) -> Attention:

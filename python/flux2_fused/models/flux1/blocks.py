@@ -35,6 +35,7 @@ from ..common import (
     layer_norms_plain,
     output_norm,
     prologue,
+    qkv_projections,
     split_modulation,
 )
 from ..deferral import Fusion, PendingConcat, Stream, materialize, stream_rows
@@ -174,9 +175,7 @@ def single_update(
         out = host.call(block.attn, hidden_states=h, image_rotary_emb=rope, **(options or {}))
         return host.linear(block.proj_out, torch.cat([out, act], dim=2))
     attn = block.attn
-    query, key, value = (
-        host.linear(proj, h).unflatten(-1, (-1, attn.head_dim)) for proj in (attn.to_q, attn.to_k, attn.to_v)
-    )
+    query, key, value = qkv_projections(attn, host, h, ("to_q", "to_k", "to_v"), "to_qkv")
     query, key, _ = prologue(host, fusion, [(query, attn.norm_q)], [(key, attn.norm_k)], rope)
     out = attend(query, key, value)
     return host.linear(block.proj_out, gelu_tanh.concat(out, mlp, enabled=fusion.fused))

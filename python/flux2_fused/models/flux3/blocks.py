@@ -25,7 +25,7 @@ from torch import nn
 
 from ...host import Host
 from ...ops import qk_norm_rope
-from ..common import Rope, feed_forward, layer_norms_plain, qk_norms, split_modulation
+from ..common import Rope, feed_forward, layer_norms_plain, qk_norms, qkv_projections, split_modulation
 from ..deferral import Fusion, Stream, materialize
 
 
@@ -64,14 +64,13 @@ def prologue(
 
 def attention(attn: nn.Module, host: Host, fusion: Fusion, h: torch.Tensor, rope: Rope) -> torch.Tensor:
     """`Flux3Attention` on the block code where the host has an attention for it: the q, k, v
-    projections, the fp32 prologue, the host's attention and the output projection; else the
+    projections (after `fuse_projections()`, thirds of `to_qkv`'s output, as `Flux3AttnProcessor`
+    chunks it), the fp32 prologue, the host's attention and the output projection; else the
     module's own call."""
     attend = host.attention(attn, None, 0)
     if attend is None:
         return host.call(attn, hidden_states=h, image_rotary_emb=rope)
-    query, key, value = (
-        host.linear(proj, h).unflatten(-1, (attn.heads, -1)) for proj in (attn.to_q, attn.to_k, attn.to_v)
-    )
+    query, key, value = qkv_projections(attn, host, h, ("to_q", "to_k", "to_v"), "to_qkv")
     query, key = prologue(attn, host, fusion, query, key, rope, value.dtype)
     return host.linear(attn.to_out[0], attend(query, key, value))
 
