@@ -11,7 +11,8 @@
                                       one denoise step, eager vs fused (flux2_fused.bench.step)
     flux2-fused pipeline [--config NAME ...] [--pairs N] [--steps N] [--json FILE] ...
                                       a diffusers FLUX pipeline call (Flux2KleinPipeline, Flux2Pipeline,
-                                      FluxPipeline), alone vs enable(pipe) (flux2_fused.bench.pipeline)
+                                      FluxPipeline, FLUX.3's modular pipelines), alone vs enable(pipe)
+                                      (flux2_fused.bench.pipeline)
     flux2-fused kernel [--op OP] [--shapes AxT ...] [--json FILE] ...
                                       one fused site, eager vs fused (flux2_fused.bench.kernel)
     flux2-fused verify                every op's bit-exactness self-check on this GPU, and where each
@@ -107,8 +108,9 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
         add(
             "pipeline",
             "a diffusers pipeline call, alone vs enable(pipe), images compared: Flux2KleinPipeline "
-            "(klein-4b, klein-9b; CFG), Flux2Pipeline (dev), FluxPipeline (flux1-dev, flux1-schnell); VAE "
-            "decode included (CUDA GPU)",
+            "(klein-4b, klein-9b; CFG), Flux2Pipeline (dev), FluxPipeline (flux1-dev, flux1-schnell), "
+            "FLUX.3's modular pipelines Flux3ModularPipeline (flux3-klein; CFG) and "
+            "Flux3DistilledModularPipeline (flux3-klein-flow); VAE decode included (CUDA GPU)",
             fields("PipelineResult"),
         )
     )

@@ -82,7 +82,7 @@ def test_the_pipeline_benchmarks_call_makes_the_same_image_with_enable(double_bl
     config = dataclasses.replace(TINY, in_channels=128, out_channels=128)
     transformer = hosts.diffusers_host(config, CPU, torch.float32)
     pipe = hosts.klein_pipeline(diffusers.Flux2KleinPipeline, transformer)
-    call = pipeline_call(pipe, prompt_embeddings(pipe, config, 8), 64, 64, steps=2, guidance_scale=4.0)
+    call = pipeline_call(pipe, prompt_embeddings(pipe, 8), 64, 64, steps=2, guidance_scale=4.0)
     images = images_both_ways(pipe, call)
     assert images[True].shape == (1, 3, 64, 64) and torch.isfinite(images[True]).all()
     assert torch.equal(images[True], images[False])

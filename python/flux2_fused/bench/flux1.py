@@ -69,25 +69,22 @@ def pipeline(transformer: nn.Module, seed: int = 0, cls: type | None = None) -> 
     The progress bar is off."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    weight = next(transformer.parameters())
-    with (
-        torch.random.fork_rng(devices=[weight.device] if weight.is_cuda else []),
-        torch.device(weight.device),
-    ):
-        torch.manual_seed(seed)
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(128, 256, 512, 512),
-            layers_per_block=2,
-            latent_channels=16,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        ).to(weight.dtype)
+    vae = hosts.random_vae(
+        AutoencoderKL,
+        transformer,
+        seed,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512),
+        layers_per_block=2,
+        latent_channels=16,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
     pipe = (cls or FluxPipeline)(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,

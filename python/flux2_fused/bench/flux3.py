@@ -1,5 +1,6 @@
 """The FLUX.3 family in the benchmarks: diffusers' Flux3Transformer2DModel with random weights (its
-q/k norms in fp32, as `from_pretrained` keeps them) and one step's inputs.
+q/k norms in fp32, as `from_pretrained` keeps them), one step's inputs, and diffusers' FLUX.3 modular
+pipeline of random components around it.
 
 FLUX.3 has no model of the package's own, so its benchmarks run on the diffusers host only; the
 setups (LoRA, offload, quantization) are `bench.hosts`' own, applied to this transformer.
@@ -7,6 +8,7 @@ setups (LoRA, offload, quantization) are `bench.hosts`' own, applied to this tra
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -74,3 +76,59 @@ def step_inputs(
     if config.get("flow_map"):
         inputs["target_timestep"] = torch.full((batch,), 0.25, device="cuda", dtype=dtype)
     return inputs
+
+
+# AutoencoderKLFlux2's arguments for the VAE of the small test sizes: the real VAE's four levels (8x
+# downsampling, so 16-pixel tokens as `Flux3ImageProcessor` assumes) at 16 channels each, one layer a
+# block; its latent channels follow the transformer (`vae_config`).
+SMALL_VAE = {"block_out_channels": (16,) * 4, "norm_num_groups": 8, "layers_per_block": 1}
+# The pipeline steps that need the text encoder: the prompt upsampler (a Qwen3.5 model, whose own
+# docstring says to pop it to encode a prompt as given) and the Qwen3-VL text encoder, which runs
+# unconditionally. Without them `prompt_embeds` (and `negative_prompt_embeds`) are pipeline inputs.
+TEXT_STEPS = ("prompt_upsampler", "text_encoder")
+
+
+def vae_config(transformer: nn.Module) -> dict[str, Any]:
+    """AutoencoderKLFlux2's arguments for a FLUX.3 transformer: its default config (FLUX.3 [klein]'s
+    VAE: 32 latent channels, packed 2x2 into the transformer's 128 input channels) for a transformer
+    of that width, else SMALL_VAE with a quarter of the transformer's input channels."""
+    from diffusers import AutoencoderKLFlux2
+
+    latent_channels = transformer.config.in_channels // 4
+    default = inspect.signature(AutoencoderKLFlux2).parameters["latent_channels"].default
+    return {} if latent_channels == default else {**SMALL_VAE, "latent_channels": latent_channels}
+
+
+def pipeline(transformer: nn.Module, seed: int = 0, guidance_scale: float | None = None) -> Any:
+    """diffusers' FLUX.3 modular pipeline around `transformer`: `Flux3DistilledModularPipeline` for
+    a flow-map transformer (one pass a step, no guider), else `Flux3ModularPipeline` (classifier-free
+    guidance through its guider, at `guidance_scale` where given, else the blocks' default). Its auto
+    blocks without the TEXT_STEPS, so callers pass prompt embeddings; a random VAE (`vae_config`) on
+    the transformer's device and dtype; the scheduler (FLUX.3's shift) and the image processor the
+    blocks' own defaults. The progress bars are off."""
+    from diffusers import AutoencoderKLFlux2, ClassifierFreeGuidance
+    from diffusers.modular_pipelines import flux3 as modular
+
+    if transformer.config.flow_map:
+        blocks, cls = modular.Flux3DistilledAutoBlocks(), modular.Flux3DistilledModularPipeline
+    else:
+        blocks, cls = modular.Flux3AutoBlocks(), modular.Flux3ModularPipeline
+    for name in TEXT_STEPS:
+        blocks.sub_blocks.pop(name)
+    _without_progress_bars(blocks)
+    pipe = cls(blocks=blocks)
+    vae = hosts.random_vae(AutoencoderKLFlux2, transformer, seed, **vae_config(transformer))
+    pipe.update_components(transformer=transformer, vae=vae)
+    if guidance_scale is not None and not transformer.config.flow_map:
+        pipe.update_components(guider=ClassifierFreeGuidance(guidance_scale=guidance_scale))
+    return pipe
+
+
+def _without_progress_bars(block: Any) -> None:
+    """Turn off the progress bars of a modular pipeline block and of every block under it (they would
+    interleave with the reports): the pipeline's own `set_progress_bar_config` reaches only its
+    top-level steps, and the denoise loop, the block with a bar, is nested under the auto steps."""
+    if hasattr(block, "set_progress_bar_config"):
+        block.set_progress_bar_config(disable=True)
+    for sub_block in getattr(block, "sub_blocks", {}).values():
+        _without_progress_bars(sub_block)

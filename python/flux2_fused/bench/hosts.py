@@ -34,6 +34,10 @@ ATTENTION_TARGETS = (
     "to_add_out",
 )
 LORA_TARGETS = (*ATTENTION_TARGETS, "to_qkv_mlp_proj", "to_out", "linear_in", "linear_out")
+# The attributes that hold a transformer's blocks: FLUX.1's and FLUX.2's double and single blocks, and
+# FLUX.3's text mode blocks and the image modes' (a ModuleDict by mode) before its joint single blocks.
+# A LoRA and a quantization reach the Linears under these; the embedders and the output stay plain.
+BLOCK_STACKS = ("transformer_blocks", "single_transformer_blocks", "txt_mode_blocks", "mode_blocks")
 
 
 def check_diffusers_host(
@@ -89,17 +93,17 @@ def diffusers_model(ours: Flux2Transformer) -> nn.Module:
 def add_lora(
     model: nn.Module, rank: int, name: str = "default", seed: int = 0, targets: tuple[str, ...] = LORA_TARGETS
 ) -> None:
-    """A peft LoRA adapter of rank `rank` (alpha = rank) on every Linear of the blocks `targets` names
-    (default: FLUX.2's LORA_TARGETS), A and B
-    both random (peft's default init leaves B zero: an adapter that changes nothing), reproducible
-    from `seed` without touching the caller's random state."""
+    """A peft LoRA adapter of rank `rank` (alpha = rank) on every Linear of the blocks (BLOCK_STACKS)
+    that `targets` names (default: FLUX.2's LORA_TARGETS), A and B both random (peft's default init
+    leaves B zero: an adapter that changes nothing), reproducible from `seed` without touching the
+    caller's random state."""
     import peft
 
     # A Linear that already has an adapter is peft's wrapper, with the Linear as its `base_layer`.
     names = (
         path.removesuffix(".base_layer") for path, m in model.named_modules() if isinstance(m, nn.Linear)
     )
-    in_blocks = (p for p in names if p.startswith(("transformer_blocks.", "single_transformer_blocks.")))
+    in_blocks = (p for p in names if p.startswith(tuple(f"{stack}." for stack in BLOCK_STACKS)))
     paths = sorted({p for p in in_blocks if any(p.endswith(f".{t}") for t in targets)})
     config = peft.LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=paths)
     with torch.random.fork_rng(devices=[]):
@@ -137,7 +141,8 @@ def offload(model: nn.Module, kind: str, device: torch.device) -> None:
 
 def quantize(model: nn.Module, kind: str) -> None:
     """torchao's dynamic quantization (`kind` from options.QUANTIZATIONS) of every Linear in the
-    blocks, as users quantize a FLUX.2 transformer (the embedders and the output projection stay):
+    blocks (BLOCK_STACKS), as users quantize a FLUX transformer (the embedders, the modulations
+    outside the blocks and the output projection stay):
     float8 activations and weights scaled per row or per tensor, or int8. Inductor's settings are
     left as they are (`set_inductor_config=False`): torchao's recommended ones turn on Inductor's
     coordinate-descent autotuning, with which compiling one klein-4B float8 step took over 3.5
@@ -161,8 +166,9 @@ def quantize(model: nn.Module, kind: str) -> None:
         ),
         "int8": lambda: Int8DynamicActivationInt8WeightConfig(set_inductor_config=False),
     }
-    for blocks in (model.transformer_blocks, model.single_transformer_blocks):
-        quantize_(blocks, configs[kind]())
+    for stack in BLOCK_STACKS:
+        if hasattr(model, stack):
+            quantize_(getattr(model, stack), configs[kind]())
 
 
 def diffusers_host(
@@ -212,6 +218,20 @@ def use_fused(target: Any, fused: bool) -> None:
         handle.disable()
 
 
+def random_vae(cls: type, transformer: nn.Module, seed: int = 0, **config: Any) -> nn.Module:
+    """A diffusers autoencoder `cls(**config)` with its default initialization from `seed` (the
+    caller's random state untouched), on the transformer's device and in its dtype, in eval mode as
+    `from_pretrained` returns it: the VAE of a benchmark's pipeline, whose weights only have to be the
+    same in both modes."""
+    weight = next(transformer.parameters())
+    with (
+        torch.random.fork_rng(devices=[weight.device] if weight.is_cuda else []),
+        torch.device(weight.device),
+    ):
+        torch.manual_seed(seed)
+        return cls(**config).to(weight.dtype).eval()
+
+
 def klein_pipeline(cls: type, transformer: nn.Module, seed: int = 0) -> Any:
     """A Flux2KleinPipeline (or a pipeline class with its components, e.g. Flux2KleinInpaintPipeline,
     Flux2Pipeline)
@@ -221,16 +241,9 @@ def klein_pipeline(cls: type, transformer: nn.Module, seed: int = 0) -> Any:
     reports)."""
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
 
-    weight = next(transformer.parameters())
-    with (
-        torch.random.fork_rng(devices=[weight.device] if weight.is_cuda else []),
-        torch.device(weight.device),
-    ):
-        torch.manual_seed(seed)
-        vae = AutoencoderKLFlux2().to(weight.dtype)
     pipe = cls(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
+        vae=random_vae(AutoencoderKLFlux2, transformer, seed),
         text_encoder=None,
         tokenizer=None,
         transformer=transformer,

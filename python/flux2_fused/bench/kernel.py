@@ -2,16 +2,24 @@
 
     flux2-fused kernel [--op OP] [--shapes AxT ...] [--no-compile] [--json FILE]
 
-Sites (`--op`):
-- gated_resnorm, shapes DxT: one gated residual + LayerNorm + adaLN site [B, T, D]; the floor moves
-  8 bytes an element (read residual and update, write residual and output).
+Sites (`--op`), the floors' bytes counted for bf16:
+- gated_resnorm, shapes DxT: one gated residual + LayerNorm + adaLN site [B, T, D] with FLUX.2's
+  modulation (one row a sample); the floor moves 8 bytes an element (read residual and update, write
+  residual and output). FLUX.3's sites read a modulation row per token, chunks of a [B, T, 3D]
+  tensor: DxT:token is that site (14 bytes: the shift, scale and gate rows read too), DxT:update2
+  FLUX.3's mode block site, the two-term update `residual + gate * (update + update2)` into the norm
+  (16 bytes), DxT:twin its single block's twin norms: two segments, the first 512 of the T tokens
+  text, each its own two-term update and modulation rows, normalized into one joint buffer with both
+  streams written in one launch (16 bytes).
 - qk_norm_rope, shapes HxT: one double block's attention prologue, H heads of 128, T joint tokens of
   which the first 512 are text: six projection outputs in (q, k, v of both streams), joint q, k, v
   out. Eager is diffusers' chain (RMSNorm modules, concat, RoPE, concat of v); fused is one launch
   for all of it. The floor moves 12 bytes an element of q (read six bf16 inputs, write three
   outputs). HxT:single is a single block's prologue: q and k strided chunks of the block's one wide
   projection (q, k, v and the MLP part, klein's proportions) in, joint q and k out (v is read by
-  attention in place); the floor moves 8 bytes an element of q.
+  attention in place); the floor moves 8 bytes an element of q. HxT:upcast is FLUX.3's prologue:
+  q and k of T rows in, the norm (a float32 weight) and RoPE in fp32, one rounding at the end, q and
+  k out (8 bytes an element of q).
 - swiglu, shapes HxT: one feed-forward activation, the [B, T, 2H] projection in, [B, T, H] out; the
   floor moves 6 bytes an output element.
 - gelu_tanh, shapes HxT: one FLUX.1 MLP activation (`gelu(approximate="tanh")`), [B, T, H] in and
@@ -37,8 +45,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import BadValue
-from ..ops import bits_equal, gelu_tanh, qk_norm_rope, swiglu
-from ..ops.gated_resnorm import gated_resnorm, gated_resnorm_decline_reason, gated_resnorm_reference
+from ..ops import bits_equal, gated_resnorm, gelu_tanh, qk_norm_rope, swiglu
 from ..ops.qk_norm_rope.selfcheck import HEAD_DIM, rope_tables
 from .options import require_at_least_one
 from .report import KernelReport, KernelRow, format_kernel_table, write_json
@@ -54,23 +61,47 @@ DEFAULT_SHAPES = {
         "6144x4096",
         "6144x4608",
         "6144x8704",
+        # FLUX.3 [klein] at 1024x1024: an image mode block's norm with one update and with its two
+        # (text: 512 rows), the joint single block's twin norms, without and with a 4096-token reference.
+        "3072x4096:token",
+        "3072x512:update2",
+        "3072x4096:update2",
+        "3072x4608:twin",
+        "3072x8704:twin",
     ],
-    "qk_norm_rope": ["24x4608", "48x4608", "24x4608:single", "48x4608:single", "24x1536", "48x16896"],
+    "qk_norm_rope": [
+        "24x4608",
+        "48x4608",
+        "24x4608:single",
+        "48x4608:single",
+        "24x1536",
+        "48x16896",
+        # FLUX.3 [klein] at 1024x1024: its text and image mode blocks, its joint single blocks.
+        "24x512:upcast",
+        "24x4096:upcast",
+        "24x4608:upcast",
+    ],
     "swiglu": ["9216x4608", "18432x4608", "9216x512", "18432x4096"],
     # FLUX.1-dev's MLP (3072 x 4): the single block's joint rows, the image rows, the text rows.
     "gelu_tanh": ["12288x4608", "12288x4096", "12288x512"],
 }
 # What a --shapes item of each op looks like, and the layouts after its colon ("" for none).
 SHAPE_FORMS = {
-    "gated_resnorm": "DxT (hidden x tokens, e.g. 6144x4608)",
-    "qk_norm_rope": "HxT or HxT:single (heads x joint tokens, e.g. 24x4608)",
+    "gated_resnorm": "DxT, DxT:token, DxT:update2 or DxT:twin (hidden x tokens, e.g. 6144x4608)",
+    "qk_norm_rope": "HxT, HxT:single or HxT:upcast (heads x joint tokens, e.g. 24x4608)",
     "swiglu": "HxT (hidden x tokens, e.g. 9216x4608)",
     "gelu_tanh": "HxT (hidden x tokens, e.g. 12288x4608)",
 }
-LAYOUTS = {"gated_resnorm": ("",), "qk_norm_rope": ("", "single"), "swiglu": ("",), "gelu_tanh": ("",)}
+LAYOUTS = {
+    "gated_resnorm": ("", "token", "update2", "twin"),
+    "qk_norm_rope": ("", "single", "upcast"),
+    "swiglu": ("",),
+    "gelu_tanh": ("",),
+}
 L2_FLUSH_BYTES = 256 << 20
 GRAPH_REPEATS = 20
 TEXT_TOKENS = 512
+EPS = 1e-6  # the norms' eps in every family
 
 
 @dataclass
@@ -94,47 +125,103 @@ def _sets(make: Callable[[], tuple], bytes_per_set: int) -> list[tuple]:
     return [make() for _ in range(max(1, min(16, -(-L2_FLUSH_BYTES // bytes_per_set))))]
 
 
-def gated_resnorm_case(width: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
+def _check_layout(op: str, layout: str) -> None:
+    """ValueError for a layout `op` does not have (a caller past `parse_shape`, which says it in one line)."""
+    if layout not in LAYOUTS[op]:
+        raise ValueError(f"unknown {op} layout {layout!r} ({SHAPE_FORMS[op]})")
+
+
+def gated_resnorm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, layout: str = "") -> Case:
+    """One gated residual + modulated norm site [B, T, D]: FLUX.2's (layout ""), one modulation row a
+    sample (the second triple of a [B, 1, 6D] tensor's chunks); FLUX.3's (see the module docstring),
+    modulation rows per token (chunks of a [B, T, 3D] tensor), "update2" and "twin" with two-term
+    updates, "twin" over two segments (text first) each with its own rows. One segment runs the
+    validated op against the reference; the twin norms `gated_resnorm.fused` (the guards, then the
+    launch) against `reference.segments`, both giving the joint norm and the joint stream."""
+    _check_layout("gated_resnorm", layout)
+    twin = layout == "twin"
+    txt = min(TEXT_TOKENS, tokens - 1) if twin else 0
+    sizes = (txt, tokens - txt) if twin else (tokens,)
+    two_terms = layout in ("update2", "twin")
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=dtype)
+
+    def segment(rows: int) -> tuple:
+        """(residual, update, gate, scale, shift[, update2]) of `rows` tokens."""
+        if layout:  # FLUX.3: per token, diffusers' (shift, scale, gate) chunks
+            shift, scale, gate = randn(batch, rows, 3 * width).chunk(3, dim=-1)
+        else:  # FLUX.2: the MLP's (shift, scale, gate), a row a sample
+            shift, scale, gate = randn(batch, 1, 6 * width).chunk(6, dim=-1)[3:]
+        residual, update = randn(batch, rows, width), randn(batch, rows, width)
+        return residual, update, gate, scale, shift, *([randn(batch, rows, width)] if two_terms else [])
+
     def make() -> tuple:
-        mod = torch.randn(batch, 1, 6 * width, device="cuda", dtype=dtype)
-        shift, scale, gate = mod.chunk(6, dim=-1)[3:]
-        residual = torch.randn(batch, tokens, width, device="cuda", dtype=dtype)
-        update = torch.randn(batch, tokens, width, device="cuda", dtype=dtype)
-        return residual, update, gate, scale, shift
+        return tuple(t for rows in sizes for t in segment(rows))
+
+    def site(
+        args: tuple,
+    ) -> tuple[list[gated_resnorm.Segment], gated_resnorm.Modulation, gated_resnorm.Modulation]:
+        """A set as the launch takes it: the segments, and scale and shift (a tuple of one per
+        segment for the twin norms)."""
+        n = len(args) // len(sizes)
+        parts = [args[i : i + n] for i in range(0, len(args), n)]
+        rows = [gated_resnorm.Segment(*p[:3], update2=p[5] if two_terms else None) for p in parts]
+        if not twin:
+            return rows, parts[0][3], parts[0][4]
+        return rows, tuple(p[3] for p in parts), tuple(p[4] for p in parts)
+
+    if twin:
+
+        def eager(*args: torch.Tensor) -> tuple:
+            return gated_resnorm.reference.segments(*site(args), EPS)
+
+        def fused(*args: torch.Tensor) -> object:
+            return gated_resnorm.fused(*site(args), EPS, write_residual=True)
+
+    else:  # (residual, update, gate, scale, shift[, update2])
+
+        def eager(*args: torch.Tensor) -> tuple:
+            return gated_resnorm.gated_resnorm_reference(*args[:5], EPS, *args[5:])
+
+        def fused(*args: torch.Tensor) -> tuple:
+            return gated_resnorm.gated_resnorm(*args[:5], EPS, update2=args[5] if two_terms else None)
 
     elements = batch * tokens * width
-    sets = _sets(make, 4 * elements * dtype.itemsize)
-    if gated_resnorm_decline_reason(*sets[0]) is not None:
-        raise RuntimeError(f"fused path declined D={width} T={tokens}")
-    return Case(sets, gated_resnorm_reference, gated_resnorm, 4 * elements * dtype.itemsize, width)
+    # Read residual and update(s), write residual and output; per-token rows read three more.
+    floor_bytes = (4 + 3 * bool(layout) + two_terms) * elements * dtype.itemsize
+    sets = _sets(make, floor_bytes)
+    if gated_resnorm.decline_reason(*site(sets[0])) is not None:
+        raise RuntimeError(f"fused path declined D={width} T={tokens} {layout or 'flux2'}")
+    return Case(sets, eager, fused, floor_bytes, width, f"gated_resnorm {layout}".strip())
 
 
 def qk_norm_rope_case(heads: int, tokens: int, batch: int, dtype: torch.dtype, layout: str = "") -> Case:
     """A double block's prologue: q, k, v of text (512 rows) and image rows, four RMSNorm weights; or
-    (layout "single") a single block's: q and k chunks of one wide projection, two weights."""
-    if layout not in ("", "single"):
-        raise ValueError(f"unknown qk_norm_rope layout {layout!r} (HxT or HxT:single)")
-    single = layout == "single"
-    txt = 0 if single else min(TEXT_TOKENS, tokens - 1)
-    sizes = (tokens,) if single else (txt, tokens - txt)
+    (layout "single") a single block's: q and k chunks of one wide projection, two weights; or
+    (layout "upcast") FLUX.3's: q and k of one projection each, two float32 weights, norm and RoPE in
+    fp32 (v, attention's as the projection gave it, not part of the site)."""
+    _check_layout("qk_norm_rope", layout)
+    single, upcast = layout == "single", layout == "upcast"
+    txt = 0 if layout else min(TEXT_TOKENS, tokens - 1)
+    sizes = (tokens,) if layout else (txt, tokens - txt)
     width = heads * HEAD_DIM
     cos, sin = rope_tables(tokens, torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0))
+    weight_dtype = torch.float32 if upcast else dtype
 
     def weights() -> list[torch.Tensor]:
-        return [torch.randn(HEAD_DIM, device="cuda", dtype=dtype) for _ in sizes]
+        return [torch.randn(HEAD_DIM, device="cuda", dtype=weight_dtype) for _ in sizes]
+
+    def projection(rows: int) -> torch.Tensor:
+        return torch.randn(batch, rows, width, device="cuda", dtype=dtype).unflatten(-1, (heads, HEAD_DIM))
 
     def make() -> tuple:
         if single:  # q, k, v, then the MLP part (2 x 3 D wide), as klein's to_qkv_mlp_proj
             wide = torch.randn(batch, tokens, 9 * width, device="cuda", dtype=dtype)
             q, k = (t.unflatten(-1, (heads, HEAD_DIM)) for t in wide.split(width, dim=-1)[:2])
             return [q], [k], None, weights(), weights()
-
-        def projection(rows: int) -> torch.Tensor:
-            return torch.randn(batch, rows, width, device="cuda", dtype=dtype).unflatten(
-                -1, (heads, HEAD_DIM)
-            )
-
-        q, k, v = ([projection(rows) for rows in sizes] for _ in range(3))
+        q, k = ([projection(rows) for rows in sizes] for _ in range(2))
+        v = None if upcast else [projection(rows) for rows in sizes]
         return q, k, v, weights(), weights()
 
     def segments(args: tuple) -> tuple[list, list, list | None]:
@@ -143,21 +230,22 @@ def qk_norm_rope_case(heads: int, tokens: int, batch: int, dtype: torch.dtype, l
         q_rows = [segment(x, w) for x, w in zip(q, q_weights, strict=True)]
         return q_rows, [segment(x, w) for x, w in zip(k, k_weights, strict=True)], v
 
+    outputs = 2 if layout else 3  # q, k, and a double block's joint v
+
     def eager(*args: object) -> tuple:
         q, k, v = segments(args)
-        return qk_norm_rope.reference.prologue(q, k, cos, sin, 1e-6, v)[: 2 if single else 3]
+        return qk_norm_rope.reference.prologue(q, k, cos, sin, EPS, v, upcast=upcast)[:outputs]
 
     def fused(*args: object) -> tuple:
         q, k, v = segments(args)
-        return qk_norm_rope.qk_norm_rope(q, k, cos, sin, 1e-6, v)[: 2 if single else 3]
+        return qk_norm_rope.qk_norm_rope(q, k, cos, sin, EPS, v, upcast=upcast)[:outputs]
 
-    floor_bytes = (4 if single else 6) * batch * tokens * width * dtype.itemsize
+    floor_bytes = (4 if layout else 6) * batch * tokens * width * dtype.itemsize
     sets = _sets(make, floor_bytes)
     q, k, v = segments(sets[0])
-    if qk_norm_rope.decline_reason(q, k, cos, sin, v) is not None:
+    if qk_norm_rope.decline_reason(q, k, cos, sin, v, upcast=upcast) is not None:
         raise RuntimeError(f"fused path declined H={heads} T={tokens} {layout or 'double'}")
-    label = "qk_norm_rope single" if single else "qk_norm_rope"
-    return Case(sets, eager, fused, floor_bytes, width, label)
+    return Case(sets, eager, fused, floor_bytes, width, f"qk_norm_rope {layout}".strip())
 
 
 def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
@@ -264,8 +352,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_shape(op: str, item: str) -> tuple[int, int, str]:
-    """A --shapes item of `op` as (size, tokens, layout): DxT or HxT, and for qk_norm_rope HxT:single
-    (layout "single"); BadValue (exit status 2) naming the item and the form it should have."""
+    """A --shapes item of `op` as (size, tokens, layout): DxT or HxT, with the op's LAYOUTS after a
+    colon (gated_resnorm DxT:twin, qk_norm_rope HxT:single, ...); BadValue (exit status 2) naming the
+    item and the form it should have."""
     shape, _, layout = item.lower().partition(":")
     size, _, tokens = shape.partition("x")
     whole = size.isdigit() and tokens.isdigit() and int(size) > 0 and int(tokens) > 0

@@ -1,5 +1,6 @@
 """Tiny FLUX.3 components for the tests: diffusers' Flux3Transformer2DModel at the `flux3-tiny` size
-(random weights, its q/k norms kept in fp32 as `from_pretrained` keeps them) and one step's inputs."""
+(random weights, its q/k norms kept in fp32 as `from_pretrained` keeps them), one step's inputs, a
+reference image and a modular pipeline call, and how many fused launches a call makes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,19 @@ from flux2_fused.models.flux3 import blocks, flux3_config, image_ids, text_ids
 
 TINY = flux3_config("flux3-tiny")
 FAMILY = blocks  # for count_block_code
+PIPELINE_STEPS = 2
+# A mode block's sites: its modulated norm, its q/k prologue, its SwiGLU; a joint single block's: its
+# twin norms (one launch), its prologue, its SwiGLU; the output norm once.
+MODE_BLOCK_SITES = 3
+SINGLE_BLOCK_SITES = 3
+
+
+def fused_sites(model: torch.nn.Module, references: bool) -> int:
+    """Our launches in one call of a FLUX.3 transformer with every site fused: each mode (text,
+    image, and the reference image's with `references`) runs the mode blocks."""
+    modes = 3 if references else 2
+    mode_blocks = modes * len(model.txt_mode_blocks)
+    return MODE_BLOCK_SITES * mode_blocks + SINGLE_BLOCK_SITES * len(model.single_transformer_blocks) + 1
 
 
 def transformer(seed: int = 1, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
@@ -57,3 +71,22 @@ def step_inputs(
     if flow_map:
         inputs["target_timestep"] = torch.full((batch,), 0.4, dtype=dtype)
     return inputs
+
+
+def reference_image() -> Any:
+    """A random 48 x 40 RGB image: padded to its 64 x 64 canvas (4 x 4 tokens) by the pipelines'
+    preprocess step."""
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (40, 48, 3), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())
+
+
+def run_pipeline(pipe: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+    """A FLUX.3 modular pipeline call of PIPELINE_STEPS steps from a fixed seed on diffusers' native
+    attention backend: its latents and images (output_type "pt")."""
+    from diffusers.models.attention_dispatch import attention_backend
+
+    settings = {"num_inference_steps": PIPELINE_STEPS, "output_type": "pt", **kwargs}
+    with torch.inference_mode(), attention_backend("native"):
+        return pipe(generator=torch.Generator().manual_seed(0), output=["latents", "images"], **settings)

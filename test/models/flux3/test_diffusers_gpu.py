@@ -1,7 +1,8 @@
 """FLUX.3 on the GPU: `enable()` on diffusers' Flux3Transformer2DModel gives diffusers' output bit for
 bit with every site fused (the per-token modulated norms, the two-term pending updates, the twin
 norms into the joint buffer, the fp32 QK prologue, SwiGLU, the per-token output norm), at a small
-size where every op runs and at the full FLUX.3 [klein] size at 1024x1024."""
+size where every op runs (also with torchao's float8 linears) and at the full FLUX.3 [klein] size at
+1024x1024."""
 
 from __future__ import annotations
 
@@ -14,20 +15,10 @@ from flux2_fused.bench import flux3
 from flux2_fused.integrations.diffusers import enable
 
 from ...conftest import fused_launches
+from .support import fused_sites
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("diffusers.models.transformers.transformer_flux3")
-
-# A mode block's sites: its modulated norm, its q/k prologue, its SwiGLU; a joint single block's: its
-# twin norms (one launch), its prologue, its SwiGLU; the output norm once.
-MODE_BLOCK_SITES = 3
-SINGLE_BLOCK_SITES = 3
-
-
-def fused_sites(model: torch.nn.Module, references: bool) -> int:
-    modes = 3 if references else 2
-    mode_blocks = modes * len(model.txt_mode_blocks)
-    return MODE_BLOCK_SITES * mode_blocks + SINGLE_BLOCK_SITES * len(model.single_transformer_blocks) + 1
 
 
 def _compare(model: torch.nn.Module, inputs: dict[str, Any], references: bool) -> None:
@@ -65,6 +56,24 @@ def test_flow_map_small() -> None:
     inputs = flux3.step_inputs("flux3-small", 1, 256, 64, torch.bfloat16)
     inputs["target_timestep"] = torch.full((1,), 0.25, device="cuda", dtype=torch.bfloat16)
     _compare(model, inputs, False)
+
+
+@pytest.mark.parametrize("granularity", ["PerRow", "PerTensor"])
+def test_torchao_float8_small_is_the_quantized_models_bit_for_bit_and_fused(granularity: str) -> None:
+    """torchao's dynamic float8 quantization (activations and weights scaled per row or per tensor) of
+    every Linear: the quantized linears run as modules, every elementwise site around them fuses, and
+    the output is the quantized model's own; with a reference image, so all three modes run."""
+    quantization = pytest.importorskip("torchao.quantization")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 needs sm_89 or newer")
+    model = flux3.random_transformer("flux3-small", torch.device("cuda"), torch.bfloat16)
+    config = quantization.Float8DynamicActivationFloat8WeightConfig(
+        granularity=getattr(quantization, granularity)()
+    )
+    quantization.quantize_(model, config)
+    assert type(model.single_transformer_blocks[0].attn.to_q.weight) is not torch.nn.Parameter
+    inputs = flux3.step_inputs("flux3-small", 2, 16 * 16, 64, torch.bfloat16, reference_tokens=128)
+    _compare(model, inputs, True)
 
 
 def test_klein_at_1024() -> None:

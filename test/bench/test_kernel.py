@@ -1,0 +1,56 @@
+"""CPU tests of the kernel benchmark's shapes: each op's layouts (FLUX.3's per-token, two-term, twin
+and upcast sites among them) parse after a colon and no other op's do, the default run times every
+layout, and a case asked for a layout its op lacks says so before it touches a GPU."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from flux2_fused.bench import kernel
+from flux2_fused.errors import BadValue
+
+
+@pytest.mark.parametrize(
+    ("op", "item", "parsed"),
+    [
+        ("gated_resnorm", "3072x4096", (3072, 4096, "")),
+        ("gated_resnorm", "3072x4096:token", (3072, 4096, "token")),
+        ("gated_resnorm", "3072x512:UPDATE2", (3072, 512, "update2")),
+        ("gated_resnorm", "3072x4608:twin", (3072, 4608, "twin")),
+        ("qk_norm_rope", "24x4608:single", (24, 4608, "single")),
+        ("qk_norm_rope", "24x4096:upcast", (24, 4096, "upcast")),
+    ],
+)
+def test_each_ops_layouts_parse(op: str, item: str, parsed: tuple[int, int, str]) -> None:
+    assert kernel.parse_shape(op, item) == parsed
+
+
+@pytest.mark.parametrize(
+    ("op", "item"),
+    [
+        ("gated_resnorm", "3072x4096:upcast"),
+        ("gated_resnorm", "3072x4096:single"),
+        ("qk_norm_rope", "24x4608:twin"),
+        ("qk_norm_rope", "24x4608:token"),
+        ("swiglu", "9216x4608:update2"),
+        ("gelu_tanh", "12288x4608:upcast"),
+    ],
+)
+def test_another_ops_layout_is_refused_naming_the_forms(op: str, item: str) -> None:
+    with pytest.raises(BadValue, match=re.escape(f"--op {op} takes {kernel.SHAPE_FORMS[op]}")):
+        kernel.parse_shape(op, item)
+
+
+@pytest.mark.parametrize("op", kernel.CASES)
+def test_the_default_run_times_every_layout(op: str) -> None:
+    assert {kernel.parse_shape(op, item)[2] for item in kernel.DEFAULT_SHAPES[op]} == set(kernel.LAYOUTS[op])
+    assert all(f":{layout}" in kernel.SHAPE_FORMS[op] for layout in kernel.LAYOUTS[op] if layout)
+
+
+@pytest.mark.parametrize("op", ["gated_resnorm", "qk_norm_rope"])
+def test_a_case_refuses_a_layout_before_it_touches_a_gpu(op: str) -> None:
+    with pytest.raises(ValueError, match=f"unknown {op} layout 'double'"):
+        kernel.CASES[op](24, 64, 1, torch.bfloat16, "double")
