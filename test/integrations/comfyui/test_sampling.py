@@ -15,11 +15,14 @@ import torch
 from ...conftest import count_block_code
 from . import support
 
-support.import_with_stand_ins("comfy.sd", "comfy.sample", "flux2_fused.integrations.comfyui.nodes")
+support.import_with_stand_ins(
+    "comfy.sd", "comfy.sample", "comfy_extras.nodes_easycache", "flux2_fused.integrations.comfyui.nodes"
+)
 
 import comfy.model_management  # noqa: E402
 import comfy.sample  # noqa: E402
 import comfy.sd  # noqa: E402
+from comfy_extras.nodes_easycache import EasyCacheNode  # noqa: E402
 
 from flux2_fused.integrations.comfyui.nodes import FluxFused  # noqa: E402
 from flux2_fused.models.flux2 import comfyui as binding  # noqa: E402
@@ -125,3 +128,19 @@ def test_a_model_that_is_not_flux_passes_through() -> None:
     model = NotFlux()
     with pytest.warns(RuntimeWarning, match="not ComfyUI's FLUX model"):
         assert FluxFused.execute(model).args[0] is model
+
+
+@pytest.mark.parametrize("order", ["cache-then-node", "node-then-cache"])
+def test_a_wrapper_cache_in_either_order(order: str, bodies: list[int]) -> None:
+    """ComfyUI's EasyCache (wrappers around the sampler and the diffusion model that skip model calls
+    whose input changed little): its decisions read the outputs, which are ComfyUI's, so the latents
+    and the calls it skips are those of EasyCache alone; the calls it makes run the block code."""
+
+    def cache(patcher: Any) -> Any:
+        return EasyCacheNode.execute(patcher, 3.0, 0.0, 1.0, False).args[0]
+
+    patcher = _patcher()
+    expected = _sample(cache(patcher), steps=8)
+    fused = _node(cache(patcher)) if order == "cache-then-node" else cache(_node(patcher))
+    assert torch.equal(_sample(fused, steps=8), expected)
+    assert 0 < len(bodies) < 8 * support.TINY["depth"]  # some calls skipped, the others fused

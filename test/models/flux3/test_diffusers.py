@@ -12,7 +12,7 @@ import torch
 
 from flux2_fused.integrations.diffusers import enable
 
-from ...conftest import count_block_code
+from ...conftest import compiled_targets, count_block_code
 from . import support
 
 pytest.importorskip("diffusers.models.transformers.transformer_flux3")
@@ -151,20 +151,13 @@ def test_torch_compile_of_the_patched_transformer() -> None:
     """torch.compile traces the patched forward in one graph: the fused sites become flux2_fused
     operators (per-token modulation and two-term updates included), and the output is diffusers'."""
     model = support.transformer()
-    graphs = []
-
-    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        graphs.append(gm)
-        return gm.forward
-
     inputs = support.step_inputs()
     expected = _run(model, **inputs).sample
     handle = enable(model)
-    torch.compiler.reset()
-    compiled = _run(torch.compile(model, fullgraph=True, backend=recording_backend), **inputs).sample
+    compiled, targets = compiled_targets(
+        model, lambda compiled_model: _run(compiled_model, **inputs).sample, fullgraph=True
+    )
     handle.disable()
-    torch.compiler.reset()
-    targets = {node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
     assert {
         torch.ops.flux2_fused.qk_norm_rope.default,
         torch.ops.flux2_fused.gated_resnorm.default,
