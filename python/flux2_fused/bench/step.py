@@ -340,10 +340,8 @@ class Subject:
         if fused not in self._twins:
             self.switch(False)  # copy the host's own model, not a patched one
             shared = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
-            if self.comfyui:  # the copy without the model's own patch
-                shared[id(self.model.__dict__["forward_orig"])] = None
             twin = copy.deepcopy(self.model, memo=shared)
-            if self.comfyui:
+            if self.comfyui:  # the copy without the patch it was copied with
                 del twin.__dict__["forward_orig"]
             if fused:
                 self._enable(twin)

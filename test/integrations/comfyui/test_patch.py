@@ -5,6 +5,7 @@ code does not implement runs ComfyUI's own forward, with a warning that says why
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -156,3 +157,63 @@ def test_fp8_weights_cast_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     model = support.flux(torch.float8_e4m3fn, operations=comfy.ops.manual_cast)
     assert next(model.parameters()).dtype == torch.float8_e4m3fn
     _compare(model, monkeypatch, **support.inputs(torch.bfloat16))
+
+
+def test_another_tools_forward_orig_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward_orig another tool put on the model (IP-Adapter and prompt-weighting nodes do) stays and
+    runs: enable() leaves it, says so, and comes back inactive."""
+    model = support.flux()
+    calls: list[int] = []
+
+    def theirs(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return type(model).forward_orig(model, *args, **kwargs)
+
+    model.forward_orig = theirs
+    expected = _run(model, **support.inputs())
+    with pytest.warns(RuntimeWarning, match="forward_orig is already replaced"):
+        handle = enable(model)
+    assert not handle.active and model.forward_orig is theirs
+    assert torch.equal(_run(model, **support.inputs()), expected) and len(calls) == 2
+
+
+def test_other_flux_variants_decline_before_their_blocks_are_read() -> None:
+    """A FLUX variant whose blocks hold other modules (Ovis-Image's gated MLPs) falls back with a reason,
+    never an error from reading its blocks."""
+    model = support.flux(global_modulation=False, mlp_silu_act=False, yak_mlp=True, txt_norm=True)
+    _declines(model, "not a FLUX.2 model", **support.inputs(), y=None)
+
+
+def test_a_deep_copy_is_patched_for_itself_and_a_second_handle_keeps_its_patch() -> None:
+    model = support.flux()
+    enable(model)
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in copied.parameters():
+            param.mul_(1.5)
+    inputs = support.inputs()
+    patched = _run(copied, **inputs)
+    del copied.__dict__["forward_orig"]
+    assert torch.equal(patched, _run(copied, **inputs))  # the copy's own weights, not the original's
+    first, second = enable(model), enable(model)
+    first.disable()
+    assert model.forward_orig is second.forward and second.active
+
+
+def test_an_attention_override_runs_comfyui_forward() -> None:
+    def override(func: Any, *args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs)
+
+    options = {"optimized_attention_override": override}
+    _declines(support.flux(), "attention override", **support.inputs(), transformer_options=options)
+
+
+def test_an_attention_library_the_node_has_not_checked_declines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sage, flash-attn or xformers as ComfyUI's attention: the node has not checked them with its q, k,
+    v layout, so ComfyUI's own forward runs (the reason checked here; the libraries are not installed)."""
+    import comfy.ldm.flux.math as flux_math
+    import comfy.ldm.modules.attention as attention
+
+    assert binding.model_reason(support.flux(), {}) is None
+    monkeypatch.setattr(flux_math, "optimized_attention", attention.attention_xformers)
+    assert "attention library" in binding.model_reason(support.flux(), {})

@@ -52,8 +52,8 @@ class View:
         return f"View({', '.join(type(m).__name__ for m in self.modules)})"
 
 
-# The functions `flux_math_unpatched` last looked at, and its verdict on them.
-_math_verdict: list[tuple[tuple[Any, ...], bool]] = []
+# Verdicts of `_functions_own`, by the function objects looked at (a replacement is another key).
+_verdicts: dict[tuple[tuple[Any, str], ...], bool] = {}
 
 
 def _comfy_function(fn: Any, module_name: str) -> bool:
@@ -70,14 +70,14 @@ def _comfy_function(fn: Any, module_name: str) -> bool:
 
 
 @torch._dynamo.assume_constant_result
-def _math_functions_own(functions: tuple[Any, ...]) -> bool:
-    """`flux_math_unpatched` for the functions ComfyUI's FLUX modules hold now; kept until they hold
-    others. A torch.compile trace (ComfyUI's TorchCompileModel) takes it as a constant (it reads
-    files), guarded by the functions it was given."""
-    if _math_verdict and _math_verdict[0][0] == functions:
-        return _math_verdict[0][1]
-    verdict = all(_comfy_function(fn, FLUX_MATH) for fn in functions)
-    _math_verdict[:] = [(functions, verdict)]
+def _functions_own(functions: tuple[tuple[Any, str], ...]) -> bool:
+    """Whether each (function, module name) is that ComfyUI module's own function, kept per function
+    objects (it reads files, once). A torch.compile trace (ComfyUI's TorchCompileModel) takes it as
+    a constant."""
+    verdict = _verdicts.get(functions)
+    if verdict is None:
+        verdict = all(_comfy_function(fn, name) for fn, name in functions)
+        _verdicts[functions] = verdict
     return verdict
 
 
@@ -88,7 +88,22 @@ def flux_math_unpatched() -> bool:
     math, layers = sys.modules.get(FLUX_MATH), sys.modules.get(FLUX_LAYERS)
     if math is None or layers is None:
         return False
-    return _math_functions_own((layers.attention, math.attention, math.apply_rope))
+    functions = (layers.attention, math.attention, math.apply_rope)
+    return _functions_own(tuple((fn, FLUX_MATH) for fn in functions))
+
+
+# ComfyUI's attention functions checked with the node's [B, H, S, hd] views: PyTorch's SDPA (its
+# default on NVIDIA GPUs) and its torch-op fallbacks (the CPU's sub-quadratic one, split, basic).
+CHECKED_ATTENTION = ("attention_pytorch", "attention_sub_quad", "attention_split", "attention_basic")
+
+
+def checked_attention() -> bool:
+    """Whether ComfyUI's `optimized_attention` is one of CHECKED_ATTENTION, ComfyUI's own function."""
+    fn = getattr(sys.modules.get(FLUX_MATH), "optimized_attention", None)
+    inner = getattr(fn, "__wrapped__", fn)  # under ComfyUI's `wrap_attn`
+    return getattr(inner, "__name__", None) in CHECKED_ATTENTION and _functions_own(
+        ((inner, "comfy.ldm.modules.attention"),)
+    )
 
 
 class ComfyHost(ModuleHost):
@@ -125,13 +140,21 @@ class ComfyHost(ModuleHost):
         self, attn: nn.Module | View, options: Mapping[str, Any] | None, text_tokens: int
     ) -> Attention | None:
         """ComfyUI's `optimized_attention` (as its FLUX blocks find it, with the block's transformer
-        options, so an attention override in them applies) on q, k, v [B, S, H, hd] handed over as
-        the [B, H, S, hd] views ComfyUI's blocks pass -> [B, S, H * hd]; None where the attention
-        module is not plain or a tool replaced ComfyUI's FLUX attention functions."""
-        if not self.plain(attn) or not flux_math_unpatched():
+        options) on q, k, v [B, S, H, hd] handed over as [B, H, S, hd] views -> [B, S, H * hd].
+        ComfyUI's blocks pass contiguous [B, H, S, hd] tensors: the same values in other strides,
+        which PyTorch's SDPA and ComfyUI's torch-op attentions take to the same bits (checked on
+        the H200 and the CPU). None where the attention module is not plain, a tool replaced
+        ComfyUI's FLUX attention functions, an attention override is set, or ComfyUI picked an
+        attention library (sage, flash-attn, xformers) not checked with those strides."""
+        transformer_options = {} if options is None else options
+        if (
+            not self.plain(attn)
+            or not flux_math_unpatched()
+            or "optimized_attention_override" in transformer_options
+            or not checked_attention()
+        ):
             return None
         optimized_attention = sys.modules[FLUX_MATH].optimized_attention
-        transformer_options = {} if options is None else options
 
         def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             q, k, v = (t.transpose(1, 2) for t in (query, key, value))

@@ -38,33 +38,97 @@ def is_comfy_flux(model: object) -> bool:
     return isinstance(model, nn.Module) and class_named(type(model), (TRANSFORMER,)) is not None
 
 
-@dataclass(repr=False)
-class FusedHandle:
-    """The patch of one ComfyUI FLUX model: `fusion.fused = False` keeps it but runs every site eager;
-    `disable()` restores ComfyUI's own `forward_orig` (removes the object patch or the attribute)."""
+@dataclass
+class PatchState:
+    """What a patch's forward and its handle share: the host, the switch (`fusion.fused`), whether
+    the patch is active, and the reasons calls ran ComfyUI's own forward. It refers to neither the
+    model nor its patcher, which hold the patch: no reference cycle keeps either alive."""
 
-    model: nn.Module
     host: ComfyHost
     fusion: Fusion
-    patcher: Any = None  # the ModelPatcher holding the object patch, None for a bare module
     active: bool = True
-    reasons: set[str] = field(default_factory=set)  # why calls ran ComfyUI's own forward, each once
+    reasons: set[str] = field(default_factory=set)  # each warned once
 
     def declined(self, reason: str | None) -> None:
         """A call ran ComfyUI's own `forward_orig`: say why, once a reason (a node that changes nothing
         must not be silent)."""
         if reason is not None and reason not in self.reasons:
             self.reasons.add(reason)
-            warnings.warn(
-                f"flux2-fused: ComfyUI's own FLUX forward runs: {reason}", RuntimeWarning, stacklevel=3
-            )
+            message = f"flux2-fused: ComfyUI's own FLUX forward runs: {reason}"
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+class FusedForwardOrig:
+    """What sits in the model's `forward_orig` slot: the binding's forward where the patch is active
+    and the binding takes the call, else the class's own `forward_orig`. It holds its model weakly
+    (it is stored on the model itself and in patchers); a deep copy of the model gets a patch of the
+    copy, with switches of its own."""
+
+    __slots__ = ("model", "state")
+
+    def __init__(self, model: nn.Module, state: PatchState) -> None:
+        self.model = weakref.ref(model)
+        self.state = state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from ...models.flux2 import comfyui as binding
+
+        model = self.model()
+        state = self.state
+        if state.active:
+            out, reason = binding.forward_orig(model, state.host, state.fusion, args, kwargs)
+            if out is not None:
+                return out
+            state.declined(reason)
+        return type(model).forward_orig(model, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> FusedForwardOrig:
+        model = self.model()
+        copied = memo.get(id(model), model)  # the model's copy, where the model itself is copied
+        state = PatchState(self.state.host, make_fusion(self.state.fusion.fused), self.state.active)
+        return FusedForwardOrig(copied, state)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("flux2-fused: a patched ComfyUI model does not pickle; disable() its patch first")
+
+
+@dataclass(repr=False)
+class FusedHandle:
+    """The patch of one ComfyUI FLUX model: `fusion.fused = False` keeps it but runs every site eager;
+    `disable()` restores ComfyUI's own `forward_orig` (removes this patch's object patch or
+    attribute, not another's). `reasons` are why calls ran ComfyUI's own forward."""
+
+    model: nn.Module
+    forward: FusedForwardOrig
+    patcher: weakref.ref | None = None  # the ModelPatcher holding the object patch, None for a module
+
+    @property
+    def host(self) -> ComfyHost:
+        return self.forward.state.host
+
+    @property
+    def fusion(self) -> Fusion:
+        return self.forward.state.fusion
+
+    @property
+    def active(self) -> bool:
+        return self.forward.state.active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self.forward.state.active = value
+
+    @property
+    def reasons(self) -> set[str]:
+        return self.forward.state.reasons
 
     def disable(self) -> None:
         self.active = False
-        if self.patcher is not None:
-            if isinstance(self.patcher.object_patches.get(OBJECT_PATCH), FusedForwardOrig):
-                del self.patcher.object_patches[OBJECT_PATCH]
-        elif isinstance(self.model.__dict__.get("forward_orig"), FusedForwardOrig):
+        patcher = None if self.patcher is None else self.patcher()
+        if patcher is not None:
+            if patcher.object_patches.get(OBJECT_PATCH) is self.forward:
+                del patcher.object_patches[OBJECT_PATCH]
+        elif self.model.__dict__.get("forward_orig") is self.forward:
             del self.model.__dict__["forward_orig"]
 
     def __repr__(self) -> str:
@@ -72,32 +136,6 @@ class FusedHandle:
         model is (`kernels_state`)."""
         state = f"active, {kernels_state(self.model)}" if self.active else "disabled"
         return f"FusedHandle(ComfyUI {type(self.model).__name__}, fused={self.fusion.fused}, {state})"
-
-
-class FusedForwardOrig:
-    """What sits in the model's `forward_orig` slot: the binding's forward where the handle is active
-    and the binding takes the call, else the class's own `forward_orig`. It holds its model weakly
-    (it is stored on the model itself and in patchers)."""
-
-    __slots__ = ("handle", "model")
-
-    def __init__(self, handle: FusedHandle) -> None:
-        self.handle = handle
-        self.model = weakref.ref(handle.model)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from ...models.flux2 import comfyui as binding
-
-        model = self.model()
-        if model is None:  # the patch sits on another model than the one it was made for
-            raise RuntimeError("flux2-fused: a FLUX patch outlived the model it was made for")
-        handle = self.handle
-        if handle.active:
-            out, reason = binding.forward_orig(model, handle.host, handle.fusion, args, kwargs)
-            if out is not None:
-                return out
-            handle.declined(reason)
-        return type(model).forward_orig(model, *args, **kwargs)
 
 
 def _diffusion_model(model: Any) -> tuple[nn.Module, Any]:
@@ -127,18 +165,29 @@ def _on_clone(original: Any, clone: Any) -> None:
     if not is_comfy_flux(flux):
         del clone.object_patches[OBJECT_PATCH]
         return
-    handle = forward.handle
-    rebound = FusedHandle(flux, handle.host, make_fusion(handle.fusion.fused), clone, handle.active)
-    clone.object_patches[OBJECT_PATCH] = FusedForwardOrig(rebound)
+    state = forward.state
+    rebound = PatchState(state.host, make_fusion(state.fusion.fused), state.active)
+    clone.object_patches[OBJECT_PATCH] = FusedForwardOrig(flux, rebound)
 
 
 def enable(model: Any, fused: bool = True) -> FusedHandle:
     """Patch a ComfyUI FLUX model in place: a `ModelPatcher` (an object patch, applied when ComfyUI
     loads it; the node patches a clone), a `BaseModel`, or the `Flux` module itself. Returns the
-    handle; `handle.disable()` undoes it."""
+    handle; `handle.disable()` undoes it.
+
+    Where another tool already replaced `forward_orig` (an object patch or an attribute: IP-Adapter
+    and prompt-weighting nodes do), its replacement stays and runs, unfused: the handle comes back
+    inactive, with the reason warned and in `handle.reasons`."""
     flux, patcher = _diffusion_model(model)
-    handle = FusedHandle(flux, make_host(), make_fusion(fused), patcher)
-    forward = FusedForwardOrig(handle)
+    forward = FusedForwardOrig(flux, PatchState(make_host(), make_fusion(fused)))
+    handle = FusedHandle(flux, forward, None if patcher is None else weakref.ref(patcher))
+    slots = patcher.object_patches if patcher is not None else flux.__dict__
+    other = slots.get(OBJECT_PATCH if patcher is not None else "forward_orig")
+    if other is not None and not isinstance(other, FusedForwardOrig):
+        handle.active = False
+        what = getattr(other, "__qualname__", None) or qualified_name(type(other))
+        forward.state.declined(f"forward_orig is already replaced (by {what}); that replacement runs")
+        return handle
     if patcher is not None:
         from comfy.patcher_extension import CallbacksMP
 

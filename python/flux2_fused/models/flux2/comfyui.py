@@ -12,7 +12,8 @@ ComfyUI's FLUX model computes FLUX.2's blocks with other modules and two other r
 Only `forward_orig` is replaced: ComfyUI's `forward` (its wrappers), `_forward` (patchifying,
 reference latents, ids) and everything around the model stay ComfyUI's.
 
-A call runs on the block code only where the block code can do all of it (`decline_reason`): FLUX.2's
+A call runs on the block code only where the block code can do all of it (`model_reason`,
+`blocks_reason`): FLUX.2's
 parameters, every block, attention, MLP, norm and modulation plain for the host, ComfyUI's own FLUX
 attention functions, and nothing the block code does not implement (ControlNet residuals, block
 replacements or patches from other nodes, attention masks, per-token timestep-zero modulation).
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...host import call_arguments
-from ...integrations.comfyui.host import ComfyHost, View, flux_math_unpatched
+from ...integrations.comfyui.host import ComfyHost, View, checked_attention, flux_math_unpatched
 from ..common import HostRope, activation_plain, feed_forward_plain, layer_norms_plain
 from ..deferral import Fusion, PendingConcat, Stream, materialize, stream_rows
 from .blocks import DOUBLE_NORMS, double_block_body, single_block_body
@@ -134,11 +135,9 @@ def _flux2_params(model: nn.Module) -> bool:
     return bool(params.global_modulation and params.mlp_silu_act and not params.yak_mlp)
 
 
-def decline_reason(
-    model: nn.Module, host: ComfyHost, views: tuple[list[View], list[View]], options: dict[str, Any]
-) -> str | None:
-    """Why the block code cannot run all of this call (see the module docstring), given the blocks'
-    views and the call's transformer options; None where it can."""
+def model_reason(model: nn.Module, options: dict[str, Any]) -> str | None:
+    """Why the block code cannot run this model with these transformer options, whatever its
+    blocks hold (see the module docstring); None where it can."""
     patches = options.get("patches") or {}
     if not _flux2_params(model):
         return "not a FLUX.2 model (FLUX.1 and other FLUX variants run ComfyUI's own forward)"
@@ -152,6 +151,30 @@ def decline_reason(
         return "the block lists are not PyTorch ModuleLists"
     if not flux_math_unpatched():
         return "ComfyUI's FLUX attention or RoPE function is replaced"
+    if "optimized_attention_override" in options:
+        return "an attention override is set in the transformer options"
+    if not checked_attention():
+        return (
+            "ComfyUI's attention is an attention library's (sage, flash-attn, xformers), which the "
+            "node has not checked with its q, k, v layout"
+        )
+    return None
+
+
+def views_of(model: nn.Module) -> tuple[list[View], list[View]] | None:
+    """The blocks' views, None where a block does not hold what ComfyUI's FLUX.2 blocks hold (a tool
+    swapped a submodule for another kind)."""
+    try:
+        return [double_view(b) for b in model.double_blocks], [single_view(b) for b in model.single_blocks]
+    except (AttributeError, TypeError, IndexError):
+        return None
+
+
+def blocks_reason(
+    model: nn.Module, host: ComfyHost, views: tuple[list[View], list[View]], options: dict[str, Any]
+) -> str | None:
+    """Why the block code cannot run these blocks (given their views), the modulations or the output
+    layer; None where it can."""
     doubles, singles = views
     for view in doubles:
         if not (
@@ -230,8 +253,13 @@ def forward_orig(
         return None, reason
     assert settings is not None
     options = dict(settings["transformer_options"] or {})
-    views = ([double_view(b) for b in model.double_blocks], [single_view(b) for b in model.single_blocks])
-    reason = decline_reason(model, host, views, options)
+    reason = model_reason(model, options)
+    if reason is not None:
+        return None, reason
+    views = views_of(model)
+    if views is None:
+        return None, "a block holds modules of other kinds than ComfyUI's FLUX.2 blocks"
+    reason = blocks_reason(model, host, views, options)
     if reason is not None:
         return None, reason
     return _blocks(model, host, fusion, views, settings, options), None
