@@ -33,6 +33,8 @@
 # kernel benchmark's FLUX.3 sites (gated_resnorm per-token, two-term and twin norms; qk_norm_rope's
 # upcast prologue) at klein's sizes, a JSON per op and one kernel-flux3.log (FLUX3_KERNEL_ARGS adds
 # options, e.g. --no-compile). 12 files in all, where the device tool brings back at most 8.
+# pytest:ARGS runs `python3 -m pytest -q ARGS`, ARGS read as shell words (quote a -k expression:
+# "pytest:test/ops -k 'addcmul or flux2_layouts'");
 # script:PATH runs `python3 PATH` (a diagnostic carried in .whl/, say; sglang's files importable after
 # the sglang step), its output in script.log.
 # ab-step:OPTIONS runs `flux2-fused step OPTIONS` on .baseline, then on this tree, into one ab-step.log.
@@ -150,7 +152,7 @@ for step in "$@"; do
     step:*)  # the step benchmark with these options, a JSON and log numbered in run order
       runs=$((${runs:-0} + 1))
       step_bench "step-$runs" ${step#step:} || rc=1 ;;
-    pytest:*) python3 -m pytest -q ${step#pytest:} 2>&1 | tee -a "$OUT/pytest.log" | tail -15 || rc=1 ;;
+    pytest:*) eval "python3 -m pytest -q ${step#pytest:}" 2>&1 | tee -a "$OUT/pytest.log" | tail -15 || rc=1 ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac
 done
