@@ -15,6 +15,11 @@ Modulation rows (gate, scale, shift) are one row for all tokens (FLUX.1/FLUX.2: 
 [B|1, 1, D]) or one per token (FLUX.3: [T, D], [B|1, T, D], e.g. chunks of a [B, T, 3D] tensor). A
 site over two segments takes one scale and shift for all its rows, or (FLUX.3's single block) a
 tuple with one per segment: each segment is then normalized and modulated with its own rows.
+
+`addcmul=True` is ComfyUI's modulation, `torch.addcmul(shift, norm, 1 + scale)`, whose product and
+sum round once where diffusers rounds each (docs/numerics.md, 3.7); its kernels cover ComfyUI's
+FLUX.2 sites (one modulation row a batch, no update or one, D up to 6144), and `addcmul_reason`
+says why anything else runs the eager chain.
 """
 
 from __future__ import annotations
