@@ -38,16 +38,21 @@ def comfyui_reason() -> str | None:
 
 def import_comfy() -> ModuleType:
     """ComfyUI's FLUX model module, imported as ComfyUI's own process would (its arguments not
-    parsed from this command's); BadValue where `comfyui_reason` says why not."""
+    parsed from this command's; on the CPU where there is no CUDA, as `--cpu` sets it, without which
+    its device setup fails); BadValue where `comfyui_reason` says why not."""
     reason = comfyui_reason()
     if reason is not None:
         raise BadValue(reason)
     folder = os.environ.get(ENV)
     if folder is not None and folder not in sys.path:
+        # Last on the path: ComfyUI's top-level modules (utils, nodes) never shadow anything else.
         sys.path.append(folder)
     import comfy.options
 
     comfy.options.enable_args_parsing(False)
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = not torch.cuda.is_available()
     import comfy.ldm.flux.model
 
     return comfy.ldm.flux.model

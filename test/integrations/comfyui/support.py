@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+from flux2_fused.bench import comfyui as comfyui_bench
 from flux2_fused.bench.comfyui import comfy_params
 from flux2_fused.models.flux2 import Flux2Config
 
@@ -35,7 +36,7 @@ CORE = "vendor/ComfyUI"
 
 def _cache() -> Path:
     default = Path.home() / ".cache" / "flux2-fused" / f"comfyui-{SDIST.partition('==')[2]}"
-    return Path(os.environ.get("FLUX2_FUSED_COMFYUI", default))
+    return Path(os.environ.get(comfyui_bench.ENV, default))
 
 
 def _fetch(root: Path) -> None:
@@ -132,21 +133,10 @@ def import_with_stand_ins(*modules: str) -> None:
 
 
 def import_comfy() -> Any:
-    """ComfyUI's FLUX model module, imported as ComfyUI runs: its command line not parsed (pytest's
-    is not ComfyUI's), on the CPU where there is no CUDA."""
-    root = str(comfyui())
-    if root not in sys.path:
-        # Last on the path: ComfyUI's top-level modules (utils, nodes) never shadow anything else.
-        sys.path.append(root)
-    import comfy.options
-
-    comfy.options.enable_args_parsing(False)
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = not torch.cuda.is_available()
-    import comfy.ldm.flux.model
-
-    return comfy.ldm.flux.model
+    """ComfyUI's FLUX model module, imported from the fetched core as the benchmarks import it
+    (`bench.comfyui.import_comfy`: its command line not parsed, on the CPU where there is no CUDA)."""
+    os.environ[comfyui_bench.ENV] = str(comfyui())
+    return comfyui_bench.import_comfy()
 
 
 # A tiny FLUX.2 in ComfyUI's parameters (klein's architecture: 128-wide heads over four RoPE axes), as

@@ -15,7 +15,8 @@ A `ComfyHost` implements `flux2_fused.host.Host` for ComfyUI's `comfy.ldm.flux` 
 - projections are the modules' own calls, so ComfyUI's LoRA weight functions, casts and fp8 scaled
   weights run as in ComfyUI;
 - the attention is ComfyUI's `optimized_attention` as `comfy.ldm.flux.math` finds it, with the
-  block's transformer options, handed q, k, v as ComfyUI's blocks hand them ([B, H, S, hd]).
+  block's transformer options, handed q, k, v as [B, H, S, hd] views (see `attention` for which of
+  ComfyUI's attentions that is checked with).
 The binding (`flux2_fused.models.flux2.comfyui`) runs a model's call on the block code only where all
 of it is plain, so `call` never has to run a view.
 """
