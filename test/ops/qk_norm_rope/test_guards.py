@@ -80,7 +80,11 @@ CASES: dict[str, tuple[tuple[Any, ...], str]] = {
     "cos bf16": (_args(cos=_table(dtype=BF16)), "cos is torch.bfloat16, the RoPE tables are float32"),
     "sin shape": (
         _args(sin=as_cuda(torch.zeros(S, 64))),
-        "sin must be a contiguous [S, 128] table, got (5, 64)",
+        "sin must be a contiguous [S, 128] or [B, S, 128] table, got (5, 64)",
+    ),
+    "table batch rows": (
+        _args(sin=as_cuda(torch.zeros(3, S, HEAD_DIM))),
+        "sin has 3 batch rows, x 2",
     ),
     "weight not a tensor": (_args(weight=[1.0]), "weight is not a tensor"),
     "weight shape": (
@@ -235,7 +239,7 @@ def test_runtime_stage_is_keyed_by_this_op(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(
         runtime, "_check", lambda op, device, config: runtime.CheckRecord(op.name != "qk_norm_rope", "x", 0)
     )
-    assert guards._runtime_reason(_x()) == "self-check failed: x"
+    assert guards.segment.runtime(_x()) == "self-check failed: x"
     assert [key[0] for key in runtime._records] == ["qk_norm_rope"]
 
 
@@ -259,6 +263,7 @@ def test_every_decline_reason_has_a_case() -> None:
     produced = [reason for _, reason in CASES.values()] + list(LAYOUT_CASES.values())
     produced += [reason for _, reason in V_CASES.values()]
     produced += [reason for _, reason in UPCAST_CASES.values()]
+    produced += [reason for _, reason in MODE_CASES.values()]
     templates = reason_templates(guards, qk_norm_rope)
     assert len(templates) >= 15
     missing = untested(templates, produced)
@@ -370,26 +375,41 @@ def test_upcast_value_decline_reason(name: str) -> None:
 
 
 def test_each_mode_asks_its_own_self_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FLUX.2's guards and the upcast mode's ask for different verdicts (one self-check each)."""
+    """FLUX.2's guards, the upcast mode's and ComfyUI's rotations' ask for different verdicts (one
+    self-check each): a verdict for one never vouches for another."""
     monkeypatch.setattr(runtime, "_records", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(
-        runtime, "_check", lambda op, device, config: runtime.CheckRecord(config.upcast, str(config), 0)
+        runtime,
+        "_check",
+        lambda op, device, config: runtime.CheckRecord(config.rotation == "kitchen", str(config), 0),
     )
-    assert guards._upcast_runtime_reason(_x()) is None
-    assert guards._runtime_reason(_x()) == "self-check failed: head_dim=128 bfloat16"
+    assert guards.segment_guard(False, "kitchen").runtime(_x()) is None
+    assert guards.value_guard(False, "kitchen").runtime(_x()) is None
+    assert guards.segment.runtime(_x()) == "self-check failed: head_dim=128 bfloat16"
+    assert (
+        guards.segment_guard(False, "addcmul").runtime(_x())
+        == "self-check failed: head_dim=128 bfloat16 addcmul"
+    )
+    assert guards.upcast_value.runtime(_x()) == "self-check failed: head_dim=128 bfloat16 upcast"
     assert sorted(str(key[2]) for key in runtime._records) == [
         "head_dim=128 bfloat16",
+        "head_dim=128 bfloat16 addcmul",
+        "head_dim=128 bfloat16 kitchen",
         "head_dim=128 bfloat16 upcast",
     ]
 
 
-def test_verify_covers_both_modes() -> None:
-    """`flux2-fused verify` checks FLUX.2's mode and FLUX.3's, in bf16 and fp16."""
+def test_verify_covers_every_mode() -> None:
+    """`flux2-fused verify` checks FLUX.2's mode, FLUX.3's and ComfyUI's two rotations, in bf16 and fp16."""
+    modes = ((False, "aten"), (True, "aten"), (False, "addcmul"), (False, "kitchen"))
     assert set(OP.verify_configs) == {
-        Config(dtype, upcast) for dtype in (torch.bfloat16, torch.float16) for upcast in (False, True)
+        Config(dtype, upcast, rotation)
+        for dtype in (torch.bfloat16, torch.float16)
+        for upcast, rotation in modes
     }
     assert str(Config(torch.float16, upcast=True)) == "head_dim=128 float16 upcast"
+    assert str(Config(torch.float16, rotation="kitchen")) == "head_dim=128 float16 kitchen"
 
 
 @pytest.mark.parametrize("two", [False, True])
@@ -415,3 +435,44 @@ def test_upcast_apply_on_the_cpu_is_the_eager_chain(two: bool) -> None:
         if not two:  # the one segment of FLUX.3's blocks: norm(x.float()), fp32 RoPE, one cast
             chain = qk_norm_rope.reference.rope(norms[0](x.float()), cos, sin).to(BF16)
             assert torch.equal(expected[0], chain)
+
+
+@pytest.mark.usefixtures("accept_runtime")
+@pytest.mark.parametrize("rotation", ["addcmul", "kitchen"])
+def test_accepts_comfyui_tables(rotation: str) -> None:
+    """ComfyUI's rotations take its tables one a batch row ([B, S, 128], or [1, S, 128]) as well as
+    [S, 128]; the checks are FLUX.2's."""
+    weight = _args()[1]
+    rows = [Segment(_x(2), weight), Segment(_x(), weight)]
+    for tables in (
+        _table(S + 2),
+        as_cuda(torch.zeros(B, S + 2, HEAD_DIM)),
+        as_cuda(torch.zeros(1, S + 2, HEAD_DIM)),
+    ):
+        assert decline_reason(rows, rows, tables, tables, [_x(2), _x()], rotation=rotation) is None
+        assert guards.segment_guard(False, rotation)(rows[1].x, weight, tables, tables)
+    assert segment_decline_reason(*_args(weight=as_cuda(torch.zeros(HEAD_DIM))), rotation=rotation) == (
+        "weight is torch.float32, x is torch.bfloat16 (eager would promote)"
+    )
+
+
+MODE_CASES = {
+    "unknown rotation": ((False, "rope"), "rotation 'rope' is not one of ('aten', 'addcmul', 'kitchen')"),
+    "upcast with ComfyUI's rotation": (
+        (True, "kitchen"),
+        "the upcast mode rotates as diffusers does (rotation 'aten')",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", MODE_CASES)
+@pytest.mark.usefixtures("accept_runtime")
+def test_declines_modes_the_kernel_has_not(name: str) -> None:
+    (upcast, rotation), expected = MODE_CASES[name]
+    weight = as_cuda(torch.zeros(HEAD_DIM, dtype=F32 if upcast else BF16))
+    rows, cos, sin = [Segment(_x(), weight)], _table(), _table()
+    assert decline_reason(rows, rows, cos, sin, upcast=upcast, rotation=rotation) == expected
+    assert segment_decline_reason(rows[0].x, weight, cos, sin, upcast=upcast, rotation=rotation) == expected
+    assert qk_norm_rope.fused(rows, rows, cos, sin, 1e-6, upcast=upcast, rotation=rotation) is None
+    with pytest.raises(ValueError, match=f"^{re.escape('flux2-fused: ' + expected)}$"):
+        qk_norm_rope.qk_norm_rope(rows, rows, cos, sin, upcast=upcast, rotation=rotation)

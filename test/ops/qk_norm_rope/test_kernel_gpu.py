@@ -354,3 +354,71 @@ def test_upcast_self_check_verdicts_and_fallback(dtype, gen):
     assert fused(shifted, k, cos, sin, 1e-6, upcast=True) is None
     got = apply(shifted, k, cos, sin, 1e-6, upcast=True)
     _assert_equal(got, reference.prologue(shifted, k, cos, sin, 1e-6, upcast=True))
+
+
+# ComfyUI's rotations ("addcmul": its torch code, "kitchen": comfy-kitchen's CUDA kernel), on its
+# tables (one a batch row, from rotation matrices) and on random bit patterns; the live comparison with
+# comfy-kitchen itself is test/integrations/comfyui/test_patch_gpu.py's.
+
+
+def _comfy_tables(batch: int, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = (
+        torch.rand(batch, tokens, HEAD_DIM // 2, generator=gen, device="cuda", dtype=torch.float64) * 4000
+    )
+    cos, sin = angles.cos().float(), angles.sin().float()
+    pe = torch.stack([cos, -sin, sin, cos], dim=-1).unflatten(-1, (2, 2))[:, None]
+    return reference.comfy_tables(pe)
+
+
+@pytest.mark.parametrize("rotation", ["addcmul", "kitchen"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize(("txt", "img"), [(1, 7), (77, 513), (512, 4096)])
+def test_comfyui_rotations_bit_exact(txt, img, batch, dtype, rotation, gen):
+    q, k, v = _double_block((txt, img), 3, batch, dtype, gen)
+    cos, sin = _comfy_tables(batch, txt + img, gen)
+    assert decline_reason(q, k, cos, sin, v, rotation=rotation) is None
+    expected = reference.prologue(q, k, cos, sin, 1e-6, v, rotation=rotation)
+    _assert_equal(qk_norm_rope(q, k, cos, sin, v=v, rotation=rotation), expected)
+    single_q, single_k = (
+        Segment(_heads(batch, txt + img, 3, dtype, gen, width=5), _weight(dtype, gen)) for _ in "qk"
+    )
+    expected = reference.prologue([single_q], [single_k], cos[:1], sin[:1], 1e-6, rotation=rotation)
+    _assert_equal(qk_norm_rope([single_q], [single_k], cos[:1], sin[:1], rotation=rotation), expected)
+
+
+@pytest.mark.parametrize("rotation", ["addcmul", "kitchen"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_comfyui_rotations_on_random_bit_patterns(dtype, rotation, gen):
+    """Any rows, weights (subnormal norm outputs, which comfy-kitchen flushes) and tables (subnormal
+    entries included): the kernel is the rotation's arithmetic."""
+    q, k, v = (random_bits((2, 37, 3, HEAD_DIM), dtype, gen) for _ in range(3))
+    wq, wk = (random_bits((HEAD_DIM,), dtype, gen) for _ in range(2))
+    finite = torch.rand(2, 37, HEAD_DIM, generator=gen, device="cuda") * 2 - 1
+    table = torch.ldexp(finite, torch.randint(-150, 60, finite.shape, generator=gen, device="cuda").float())
+    rows = ([Segment(q, wq)], [Segment(k, wk)], table, table.flip(1), 1e-6, [v])
+    got = qk_norm_rope(*rows[:4], v=[v], rotation=rotation)
+    _assert_equal(got, reference.prologue(*rows, rotation=rotation))
+
+
+def test_kitchen_flushes_subnormal_norm_outputs_addcmul_keeps_them(gen):
+    """A weight of 2^-130 makes the norm's outputs bf16 subnormals: comfy-kitchen's rotation reads them
+    as zero, torch's keeps them."""
+    x = (1 + torch.rand(1, 5, 2, HEAD_DIM, generator=gen, device="cuda")).to(torch.bfloat16)  # r * x near 1
+    weight = torch.full((HEAD_DIM,), 2.0**-130, device="cuda").to(torch.bfloat16)
+    cos, sin = torch.ones(5, HEAD_DIM, device="cuda"), torch.zeros(5, HEAD_DIM, device="cuda")
+    rows = ([Segment(x, weight)], [Segment(x, weight)], cos, sin)
+    kept, flushed = (qk_norm_rope(*rows, rotation=rotation)[0] for rotation in ("addcmul", "kitchen"))
+    assert (kept != 0).all() and kept.abs().max() < torch.finfo(torch.float32).tiny
+    assert (flushed == 0).all()
+
+
+@pytest.mark.parametrize("rotation", ["addcmul", "kitchen"])
+def test_comfyui_rotation_self_checks(rotation, gen):
+    """Each rotation has its own self-check verdict, and apply() launches it."""
+    q, k, v = _double_block((7, 29), 3, 2, torch.bfloat16, gen)
+    cos, sin = _comfy_tables(2, 36, gen)
+    assert guards.segment_guard(False, rotation)(q[0].x, q[0].weight, cos, sin)
+    records = {key[:3]: record for key, record in self_check_records().items()}
+    assert records[("qk_norm_rope", "cuda:0", f"head_dim=128 bfloat16 {rotation}")].passed
+    assert fused(q, k, cos, sin, 1e-6, v, rotation=rotation) is not None

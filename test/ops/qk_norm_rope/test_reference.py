@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux2_fused.ops.qk_norm_rope import Segment, reference
+from flux2_fused.ops.qk_norm_rope import HEAD_DIM, Segment, reference
 
 embeddings = pytest.importorskip("diffusers.models.embeddings")
 
@@ -158,3 +158,52 @@ def test_upcast_two_segments_are_normed_then_joined() -> None:
     q, k, value = reference.prologue(rows, rows, cos, sin, 1e-6, v, upcast=True)
     assert torch.equal(q, expected) and torch.equal(k, expected)
     assert torch.equal(value, torch.cat(v, dim=1))
+
+
+def _comfy_pe(batch: int, tokens: int) -> torch.Tensor:
+    """Rotation matrices [B, 1, S, 64, 2, 2] as ComfyUI's FLUX `rope` builds them: (cos, -sin; sin, cos)."""
+    angles = torch.rand(batch, tokens, HEAD_DIM // 2, dtype=torch.float64) * 4000
+    cos, sin = angles.cos().float(), angles.sin().float()
+    return torch.stack([cos, -sin, sin, cos], dim=-1).unflatten(-1, (2, 2))[:, None]
+
+
+def _matrix_rope(x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's own rotation of x [B, S, H, hd] (its `_apply_rope1` on the [B, H, S, hd] view): the
+    first column's product, then `addcmul_` with the second."""
+    x_ = x.transpose(1, 2).float().reshape(*x.transpose(1, 2).shape[:-1], -1, 1, 2)
+    out = pe[..., 0] * x_[..., 0]
+    out.addcmul_(pe[..., 1], x_[..., 1])
+    return out.reshape(*x.transpose(1, 2).shape).type_as(x).transpose(1, 2)
+
+
+def test_comfy_tables_carry_the_matrix_entries() -> None:
+    pe = _comfy_pe(2, 9)
+    pe[0, 0, 3, 5, 0, 1] = float("nan")
+    cos, sin = reference.comfy_tables(pe)
+    assert cos.shape == sin.shape == (2, 9, HEAD_DIM) and cos.is_contiguous()
+    m = pe[:, 0]
+    for got, entry in ((cos[..., 0::2], m[..., 0, 0]), (-sin[..., 0::2], m[..., 0, 1])):
+        assert torch.equal(got.view(torch.int32), entry.view(torch.int32))
+    for got, entry in ((sin[..., 1::2], m[..., 1, 0]), (cos[..., 1::2], m[..., 1, 1])):
+        assert torch.equal(got.view(torch.int32), entry.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_addcmul_rotation_is_comfyuis_own(dtype: torch.dtype) -> None:
+    """The "addcmul" rotation on ComfyUI's tables is ComfyUI's torch rotation on its matrices."""
+    pe = _comfy_pe(2, 11)
+    x = torch.randn(2, 11, 3, HEAD_DIM).to(dtype)
+    assert torch.equal(reference.rope(x, *reference.comfy_tables(pe), "addcmul"), _matrix_rope(x, pe))
+
+
+def test_kitchen_rotation_flushes_subnormals() -> None:
+    """comfy-kitchen's fast-math kernel reads a subnormal input as zero and writes a subnormal result
+    as zero: a pair (tiny, 0) rotates to (0, 0) where torch keeps it."""
+    tiny = torch.finfo(torch.float32).tiny / 4  # a float32 subnormal, a bf16 one too
+    x = torch.zeros(1, 1, 1, HEAD_DIM, dtype=torch.bfloat16)
+    x[..., 0] = tiny
+    cos, sin = torch.ones(1, HEAD_DIM), torch.zeros(1, HEAD_DIM)
+    assert reference.rope(x, cos, sin, "addcmul")[..., 0].item() == x[..., 0].item() != 0
+    assert reference.rope(x, cos, sin, "kitchen")[..., 0].item() == 0
+    with pytest.raises(ValueError, match="rotation 'rope' is not one of"):
+        reference.rope(x, cos, sin, "rope")

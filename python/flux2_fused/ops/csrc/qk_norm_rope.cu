@@ -3,7 +3,8 @@
 // may run; the checks here only stop a misuse from touching the wrong memory. A single-segment call
 // passes None for the second segment, a call without v (the single block's) None for v; `upcast`
 // picks FLUX.3's mode (float32 weights, the norm's output kept in fp32) over FLUX.2's (weights of x's
-// dtype), one instantiation of the kernel each.
+// dtype), and `rotation` the host's RoPE arithmetic (0 aten, 1 addcmul, 2 kitchen; FLUX.2's mode
+// only), one instantiation of the kernel each. The RoPE tables are [S, 128] or one a batch, [B, S, 128].
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/extra/cuda/device_guard.h>
@@ -56,7 +57,7 @@ void check_out(const TensorView& out, const TensorView& like, DLDevice dev) {
   check_device(out, dev);
 }
 
-template <typename T, bool kUpcast>
+template <typename T, bool kUpcast, int kRotation>
 void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorView q0, TensorView k0,
          Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
          Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1, Optional<TensorView> wk1,
@@ -98,10 +99,16 @@ void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorV
     p.weight[1][1] = p.weight[1][0];
     TVM_FFI_ICHECK(p.split == tokens) << "segment rows must sum to S";
   }
+  const int table_dims = cos.ndim();
+  const int64_t table_batches = table_dims == 3 ? cos.size(0) : 1;
   for (const TensorView* t : {&cos, &sin}) {
-    TVM_FFI_ICHECK(t->ndim() == 2 && t->size(0) == tokens && t->size(1) == kHeadDim && t->stride(1) == 1 &&
-                   t->stride(0) == kHeadDim && t->dtype().code == kDLFloat && t->dtype().bits == 32)
-        << "cos and sin must be contiguous float32 [S, 128]";
+    const int d = t->ndim();
+    TVM_FFI_ICHECK((d == 2 || (d == 3 && (t->size(0) == 1 || t->size(0) == batch))) && d == table_dims &&
+                   (d == 2 || t->size(0) == table_batches) && t->size(d - 2) == tokens &&
+                   t->size(d - 1) == kHeadDim && t->stride(d - 1) == 1 && t->stride(d - 2) == kHeadDim &&
+                   (d == 2 || t->size(0) == 1 || t->stride(0) == tokens * kHeadDim) &&
+                   t->dtype().code == kDLFloat && t->dtype().bits == 32)
+        << "cos and sin must be contiguous float32 [S, 128] or [B, S, 128] tables of one shape";
     check_device(*t, dev);
   }
   p.out[0] = data<T>(q_out);
@@ -110,6 +117,7 @@ void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorV
   p.tensors = v_out.has_value() ? 3 : 2;
   p.cos = data<const float>(cos);
   p.sin = data<const float>(sin);
+  p.table_batch = table_batches > 1 ? tokens * kHeadDim : 0;
   p.tokens = tokens;
   p.heads = static_cast<int32_t>(heads);
   p.eps = static_cast<float>(eps);
@@ -118,7 +126,7 @@ void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorV
   TVM_FFI_ICHECK(blocks < (int64_t{1} << 31)) << "too many tokens for one launch";
   tvm::ffi::CUDADeviceGuard device_guard(dev.device_id);
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
-  qk_norm_rope_kernel<T, kUpcast><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  qk_norm_rope_kernel<T, kUpcast, kRotation><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
   const cudaError_t err = cudaGetLastError();
   TVM_FFI_ICHECK(err == cudaSuccess) << "qk_norm_rope launch failed: " << cudaGetErrorString(err);
 }
@@ -127,25 +135,35 @@ template <typename T>
 void run_mode(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorView q0, TensorView k0,
               Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
               Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1,
-              Optional<TensorView> wk1, TensorView cos, TensorView sin, double eps, bool upcast) {
+              Optional<TensorView> wk1, TensorView cos, TensorView sin, double eps, bool upcast,
+              int64_t rotation) {
+  TVM_FFI_ICHECK(rotation >= kAten && rotation <= kKitchen && (!upcast || rotation == kAten))
+      << "rotation must be 0, 1 or 2, and 0 in the upcast mode";
   if (upcast) {
-    run<T, true>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
+    run<T, true, kAten>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
+  } else if (rotation == kAten) {
+    run<T, false, kAten>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
+  } else if (rotation == kAddcmul) {
+    run<T, false, kAddcmul>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
   } else {
-    run<T, false>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
+    run<T, false, kKitchen>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
   }
 }
 
 // Outputs first (v's absent in a single block), then segment 0's q, k, v and weights, segment 1's
-// (absent with one segment), the tables, eps and the mode.
+// (absent with one segment), the tables, eps, the mode and the rotation.
 void qk_norm_rope(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorView q0, TensorView k0,
                   Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
                   Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1,
-                  Optional<TensorView> wk1, TensorView cos, TensorView sin, double eps, bool upcast) {
+                  Optional<TensorView> wk1, TensorView cos, TensorView sin, double eps, bool upcast,
+                  int64_t rotation) {
   const DLDataType dt = q_out.dtype();
   if (dt.code == kDLBfloat && dt.bits == 16) {
-    run_mode<__nv_bfloat16>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps, upcast);
+    run_mode<__nv_bfloat16>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps,
+                            upcast, rotation);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
-    run_mode<__half>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps, upcast);
+    run_mode<__half>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps, upcast,
+                     rotation);
   } else {
     TVM_FFI_THROW(TypeError) << "qk_norm_rope supports bfloat16 and float16 only";
   }

@@ -11,6 +11,14 @@
 // is built without --use_fast_math (IEEE division, rsqrtf as aten calls it, no flush-to-zero). v's rows
 // are copied unchanged (torch.cat moves bits).
 //
+// The rotation is the host's (kRotation): diffusers' RoPE is the three rounded aten ops above
+// (kAten); ComfyUI rotates a pair with its 2x2 matrix (f00 f01; f10 f11) = (cos -sin; sin cos), the
+// tables holding cos_2i = f00, sin_2i = -f01, sin_2i+1 = f10, cos_2i+1 = f11 (exact negations), as
+//   kAddcmul (torch, ComfyUI's own `_apply_rope1`): out = fma(f01, y_2i+1, RN(f00 * y_2i)), alike for f1.
+//   kKitchen (comfy-kitchen's CUDA kernel, built with fast math): out = fma.ftz(f00, y_2i,
+//            mul.ftz(f01, y_2i+1)): subnormal inputs and results flushed to signed zero.
+// Both are written with the PTX instructions of that arithmetic; docs/numerics.md (12) derives them.
+//
 // The upcast mode (kUpcast: FLUX.3's `norm(x.float())` with an fp32 weight, RoPE on the fp32 result,
 // one `.to(T)`) differs in two places only: g is float, and y_j = RN(g_j * RN(r * x_j)) stays in fp32,
 // so T is rounded once, at out. s and r are the same: aten's float instantiation of the norm kernel
@@ -51,6 +59,10 @@ constexpr int kRowsInFlight = 4;  // units (row pairs) a warp loads before it co
 // for all of them before it computes any.
 constexpr int kMinBlocks = 12;
 constexpr int kTensors = 3;       // q, k, v
+
+// A host's RoPE arithmetic (see the header comment); the Python layer names them "aten", "addcmul"
+// and "kitchen".
+enum Rotation : int { kAten = 0, kAddcmul = 1, kKitchen = 2 };
 constexpr int kV = 2;             // v's index: rows copied, not normalized
 
 template <typename T>
@@ -73,8 +85,9 @@ struct Params {
   Rows<T> in[kTensors][2];   // [q, k, v][text, image]; one segment: [t][1] repeats [t][0]
   const Weight<T, kUpcast>* weight[2][2];  // [q, k][segment]: [128] each
   T* out[kTensors];          // [B, S, H, 128] each, contiguous; out[kV] unused when tensors == 2
-  const float* cos;          // [S, 128], contiguous
+  const float* cos;          // [S, 128] or [B, S, 128], contiguous
   const float* sin;
+  int64_t table_batch;       // elements between two batches' tables: 0 where they share one
   int64_t tokens;            // S = rows of both segments
   int64_t split;             // tokens < split come from segment 0
   int32_t heads;
@@ -103,7 +116,34 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
 }
 
-template <typename T, bool kUpcast>
+__device__ __forceinline__ float mul_ftz(float a, float b) {
+  float r;
+  asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ float fma_ftz(float a, float b, float c) {
+  float r;
+  asm("fma.rn.ftz.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+}
+
+// One rotated pair (y0, y1) = (y_2i, y_2i+1) with its table entries c0, s0 (channel 2i) and c1, s1
+// (channel 2i+1), in the host's arithmetic.
+template <int kRotation>
+__device__ __forceinline__ float2 rotate(float y0, float y1, float c0, float s0, float c1, float s1) {
+  if constexpr (kRotation == kAten) {
+    return make_float2(__fadd_rn(__fmul_rn(y0, c0), __fmul_rn(-y1, s0)),
+                       __fadd_rn(__fmul_rn(y1, c1), __fmul_rn(y0, s1)));
+  } else if constexpr (kRotation == kAddcmul) {
+    return make_float2(__fmaf_rn(-s0, y1, __fmul_rn(c0, y0)), __fmaf_rn(c1, y1, __fmul_rn(s1, y0)));
+  } else {
+    static_assert(kRotation == kKitchen, "unknown rotation");
+    return make_float2(fma_ftz(c0, y0, mul_ftz(-s0, y1)), fma_ftz(s1, y0, mul_ftz(c1, y1)));
+  }
+}
+
+template <typename T, bool kUpcast, int kRotation>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(const Params<T, kUpcast> p) {
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x & 15;            // lane within the half-warp: elements 8 lane .. + 7
@@ -120,8 +160,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
   const T* src_v = row_of(p.in[kV], second, b, seg_row) + 8 * lane;
 
   // This lane's channels 8 lane .. + 7 of the token's tables and of the segment's q and k weights.
-  const float4* cos4 = reinterpret_cast<const float4*>(p.cos + s * kHeadDim + 8 * lane);
-  const float4* sin4 = reinterpret_cast<const float4*>(p.sin + s * kHeadDim + 8 * lane);
+  const int64_t table_row = b * p.table_batch + s * kHeadDim + 8 * lane;
+  const float4* cos4 = reinterpret_cast<const float4*>(p.cos + table_row);
+  const float4* sin4 = reinterpret_cast<const float4*>(p.sin + table_row);
   const float4 ca = __ldg(cos4), cb = __ldg(cos4 + 1), sa = __ldg(sin4), sb = __ldg(sin4 + 1);
   const float c[8] = {ca.x, ca.y, ca.z, ca.w, cb.x, cb.y, cb.z, cb.w};
   const float sn[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
@@ -211,9 +252,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
       Oct<T> result;
 #pragma unroll
       for (int i = 0; i < 8; i += 2) {
-        const float even = __fadd_rn(__fmul_rn(y[i], c[i]), __fmul_rn(-y[i + 1], sn[i]));
-        const float odd_out = __fadd_rn(__fmul_rn(y[i + 1], c[i + 1]), __fmul_rn(y[i], sn[i + 1]));
-        result.p[i >> 1] = Elem<T>::pack(even, odd_out);
+        const float2 out = rotate<kRotation>(y[i], y[i + 1], c[i], sn[i], c[i + 1], sn[i + 1]);
+        result.p[i >> 1] = Elem<T>::pack(out.x, out.y);
       }
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&result);
     }

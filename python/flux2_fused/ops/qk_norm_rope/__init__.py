@@ -8,7 +8,9 @@ each (a single block's joint rows) or two (a double block's text then image rows
 RMSNorm weight); `v`, a double block's text and image v, is concatenated in the same launch, so the
 eager `cat`s disappear, and the token's RoPE tables are read once for q and k. `upcast=True` is
 FLUX.3's prologue: `norm(q.float())` with a float32 RMSNorm weight, RoPE on the fp32 result and one
-rounding to q's dtype at the end (diffusers' `Flux3AttnProcessor`), in the same launch. `fused` is the
+rounding to q's dtype at the end (diffusers' `Flux3AttnProcessor`), in the same launch. `rotation` is
+the host's RoPE arithmetic: diffusers' ("aten"), or ComfyUI's, whose torch code ("addcmul") and
+comfy-kitchen's CUDA kernel ("kitchen") round otherwise (docs/numerics.md, 12). `fused` is the
 same decision without the fallback; `qk_norm_rope` is the validated op that raises for inputs the
 kernel cannot take.
 """
@@ -47,8 +49,9 @@ def _layout_reason(
             if x.dtype != first.dtype or x.device != first.device:
                 return "the segments differ in dtype or device"
     tokens = sum(segment.x.shape[1] for segment in q)
-    if cos.dim() != 2 or cos.shape[0] != tokens:
-        return f"the RoPE tables have {cos.shape[0] if cos.dim() else 0} rows, the segments {tokens} tokens"
+    rows = cos.shape[-2] if cos.dim() >= 2 else 0
+    if cos.dim() not in (2, 3) or rows != tokens:
+        return f"the RoPE tables have {rows} rows, the segments {tokens} tokens"
     return None
 
 
@@ -64,13 +67,17 @@ def decline_reason(
     v: Sequence[torch.Tensor] | None = None,
     *,
     upcast: bool = False,
+    rotation: str = "aten",
 ) -> str | None:
-    """Why `fused(q, k, cos, sin, eps, v, upcast=upcast)` declines, or None when it launches the kernel."""
-    reason = None
+    """Why `fused(q, k, cos, sin, eps, v, upcast=upcast, rotation=rotation)` declines, or None when it
+    launches the kernel."""
+    reason = guards.mode_reason(upcast, rotation)
     for segment in (*q, *k):
-        reason = reason or segment_decline_reason(segment.x, segment.weight, cos, sin, upcast=upcast)
+        reason = reason or segment_decline_reason(
+            segment.x, segment.weight, cos, sin, upcast=upcast, rotation=rotation
+        )
     for x in v or ():
-        reason = reason or value_decline_reason(x, upcast=upcast)
+        reason = reason or value_decline_reason(x, upcast=upcast, rotation=rotation)
     return reason or _layout_reason(q, k, cos, v)
 
 
@@ -83,12 +90,14 @@ def fused(
     v: Sequence[torch.Tensor] | None = None,
     *,
     upcast: bool = False,
+    rotation: str = "aten",
 ) -> Prologue | None:
     """(q, k, v) from one kernel launch, or None where the guards decline."""
-    if not _is_number(eps):  # eps=None means aten's own default, not ours to guess
-        return None
+    if not _is_number(eps) or guards.mode_reason(upcast, rotation) is not None:
+        return None  # eps=None means aten's own default, not ours to guess
     try:
-        segment_guard, value_guard = guards.segment_guard(upcast), guards.value_guard(upcast)
+        segment_guard = guards.segment_guard(upcast, rotation)
+        value_guard = guards.value_guard(upcast, rotation)
         for segment in (*q, *k):
             if not segment_guard(segment.x, segment.weight, cos, sin):
                 return None
@@ -98,7 +107,7 @@ def fused(
             return None
     except Exception:  # not segments of tensors: declined, as the guards decline garbage
         return None
-    return launch(q, k, cos, sin, eps, v, upcast=bool(upcast))
+    return launch(q, k, cos, sin, eps, v, upcast=bool(upcast), rotation=rotation)
 
 
 def apply(
@@ -110,12 +119,14 @@ def apply(
     v: Sequence[torch.Tensor] | None = None,
     *,
     upcast: bool = False,
+    rotation: str = "aten",
     enabled: bool = True,
 ) -> Prologue:
     """The site's one decision: under a torch.compile trace the `library` operator, else `fused`
     where it accepts, else the eager chain (`reference.prologue`): the same bits. `upcast=True` is
-    FLUX.3's prologue (norm and RoPE on the rows widened to fp32, a float32 weight, one rounding).
-    `enabled=False` (a model's switch) always runs the eager chain."""
+    FLUX.3's prologue (norm and RoPE on the rows widened to fp32, a float32 weight, one rounding);
+    `rotation` the host's RoPE arithmetic (`reference.ROTATIONS`: diffusers' "aten", ComfyUI's
+    "addcmul" and "kitchen"). `enabled=False` (a model's switch) always runs the eager chain."""
     # eps=None (aten's own default) is not an operator argument: the trace keeps the eager chain.
     if enabled and torch.compiler.is_compiling() and _is_number(eps):
         from . import library
@@ -130,10 +141,13 @@ def apply(
             sin,
             eps,
             bool(upcast),
+            rotation,
         )
         return out[0], out[1], out[2] if v else None
-    out = fused(q, k, cos, sin, eps, v, upcast=upcast) if enabled else None
-    return out if out is not None else reference.prologue(q, k, cos, sin, eps, v, upcast=upcast)
+    out = fused(q, k, cos, sin, eps, v, upcast=upcast, rotation=rotation) if enabled else None
+    if out is not None:
+        return out
+    return reference.prologue(q, k, cos, sin, eps, v, upcast=upcast, rotation=rotation)
 
 
 def qk_norm_rope(
@@ -145,21 +159,26 @@ def qk_norm_rope(
     v: Sequence[torch.Tensor] | None = None,
     *,
     upcast: bool = False,
+    rotation: str = "aten",
 ) -> Prologue:
     """The kernel, without the self-check: (q, k, v), each joint [B, sum S, H, 128], v None when not
-    given; `upcast=True` in FLUX.3's mode (a float32 weight, norm and RoPE in fp32).
+    given; `upcast=True` in FLUX.3's mode (a float32 weight, norm and RoPE in fp32); `rotation` the
+    host's RoPE arithmetic (`reference.ROTATIONS`).
 
     Unsupported inputs raise TypeError (types, dtypes, devices) or ValueError (shapes, strides,
-    alignment) naming the problem.
+    alignment, an unknown mode) naming the problem.
     """
+    reason = guards.mode_reason(upcast, rotation)
+    if reason is not None:
+        raise ValueError(f"flux2-fused: {reason}")
     for segment in (*q, *k):
-        guards.segment_guard(upcast).validate(segment.x, segment.weight, cos, sin)
+        guards.segment_guard(upcast, rotation).validate(segment.x, segment.weight, cos, sin)
     for x in v or ():
-        guards.value_guard(upcast).validate(x)
+        guards.value_guard(upcast, rotation).validate(x)
     reason = _layout_reason(q, k, cos, v)
     if reason is not None:
         raise ValueError(f"flux2-fused: {reason}")
-    return launch(q, k, cos, sin, eps, v, upcast=bool(upcast))
+    return launch(q, k, cos, sin, eps, v, upcast=bool(upcast), rotation=rotation)
 
 
 __all__ = [

@@ -2,14 +2,16 @@
 
 The kernel reproduces eager for q and k segments x [B, S, H, 128] whose heads are dense (any row and
 batch stride that keeps 16-byte alignment: the single block's q and k are chunks of one wide
-projection), with a [128] RMSNorm weight of x's dtype and fp32 [S_total, 128] RoPE tables, and for v
+projection), with a [128] RMSNorm weight of x's dtype and fp32 [S_total, 128] RoPE tables (or one
+a batch), and for v
 segments of the same layout (copied only); one 16-bit float dtype on one CUDA device, 16-byte-aligned
 data (the kernel moves 16 bytes a lane; aten's vectorized RMSNorm needs 8) and no autograd.
 In the upcast mode (FLUX.3: `norm(x.float())`, RoPE in fp32, one rounding) the weight is float32
 instead, as aten's fused RMSNorm needs for fp32 rows (any other dtype runs its composite chain), and
-16-byte aligned, as its float kernel needs. Everything else declines to the eager chain. `segment`
-guards one q or k segment (`upcast_segment` in the upcast mode), `value` one v segment; what one
-launch needs across them is `_layout_reason` in the package's `__init__`.
+16-byte aligned, as its float kernel needs. The host's rotation (`reference.ROTATIONS`) changes no
+check, only which self-check vouches. Everything else declines to the eager chain. `segment_guard`
+guards one q or k segment in a mode, `value_guard` one v segment; what one launch needs across them
+is `_layout_reason` in the package's `__init__`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from .. import runtime
 from ..verdicts import Guard, Reason, TypeReason
+from .reference import ROTATIONS
 from .selfcheck import HEAD_DIM, OP, Config
 
 SUPPORTED_DTYPES = runtime.SUPPORTED_DTYPES
@@ -46,20 +49,23 @@ def _x_reason(x: Any, name: str = "x") -> Reason:
     return None
 
 
-def _table_reason(name: str, t: Any) -> Reason:
+def _table_reason(name: str, t: Any, x: Any) -> Reason:
+    """A RoPE table: contiguous fp32 [S, 128], or one for each of x's batch rows [B (or 1), S, 128]."""
     if not isinstance(t, torch.Tensor):
         return TypeReason(f"{name} is not a tensor")
     if t.dtype != torch.float32:
         return TypeReason(f"{name} is {t.dtype}, the RoPE tables are float32")
-    if t.dim() != 2 or t.shape[-1] != HEAD_DIM or not t.is_contiguous():
-        return f"{name} must be a contiguous [S, {HEAD_DIM}] table, got {tuple(t.shape)}"
+    if t.dim() not in (2, 3) or t.shape[-1] != HEAD_DIM or not t.is_contiguous():
+        return f"{name} must be a contiguous [S, 128] or [B, S, 128] table, got {tuple(t.shape)}"
+    if t.dim() == 3 and t.shape[0] not in (1, x.shape[0]):
+        return f"{name} has {t.shape[0]} batch rows, x {x.shape[0]}"
     return None
 
 
 def _metadata_reason(x: Any, weight: Any, cos: Any, sin: Any, upcast: bool = False) -> Reason:
     """Everything the tensors' shapes, strides, dtypes and devices decide for one segment; `upcast`:
     FLUX.3's mode, whose norm runs on x.float() with a float32 weight."""
-    reason = _x_reason(x) or _table_reason("cos", cos) or _table_reason("sin", sin)
+    reason = _x_reason(x) or _table_reason("cos", cos, x) or _table_reason("sin", sin, x)
     if reason is not None:
         return reason
     if not isinstance(weight, torch.Tensor):
@@ -81,47 +87,63 @@ def _metadata_reason(x: Any, weight: Any, cos: Any, sin: Any, upcast: bool = Fal
     return None
 
 
-def _runtime_reason(x: torch.Tensor, *_: Any) -> Reason:
-    """Kill switch, kernel build and the self-check for this (device, dtype), FLUX.2's mode."""
-    return runtime.runtime_reason(OP, x.device, Config(x.dtype))
+def _mode_guards(upcast: bool, rotation: str) -> tuple[Guard, Guard]:
+    """The (segment, value) guards of one mode: its metadata checks, and the kill switch, kernel
+    build and self-check of this (device, dtype) in that mode."""
+    config = {"upcast": upcast, "rotation": rotation}
+
+    def runtime_reason(x: torch.Tensor, *_: Any) -> Reason:
+        return runtime.runtime_reason(OP, x.device, Config(x.dtype, **config))
+
+    # align=16: the kernel's loads are 16 bytes; aten's vectorized RMSNorm needs 8 (16-bit rows and
+    # weight) or 16 (the upcast mode's float32 weight), else it runs another reduction.
+    segment = Guard(
+        ("x", "weight", "cos", "sin"),
+        lambda *args: _metadata_reason(*args, upcast=upcast),
+        runtime_reason,
+        align=16,
+    )
+    value = Guard(("v",), lambda v: _x_reason(v, "v"), runtime_reason, align=16)
+    return segment, value
 
 
-def _upcast_runtime_reason(x: torch.Tensor, *_: Any) -> Reason:
-    """Kill switch, kernel build and the self-check for this (device, dtype), the upcast mode."""
-    return runtime.runtime_reason(OP, x.device, Config(x.dtype, upcast=True))
+# The modes: (upcast, rotation) -> (segment guard, value guard). FLUX.3's upcast mode is diffusers'
+# rotation only.
+_GUARDS = {
+    (upcast, rotation): _mode_guards(upcast, rotation)
+    for upcast, rotation in ((False, "aten"), (False, "addcmul"), (False, "kitchen"), (True, "aten"))
+}
+segment, value = _GUARDS[False, "aten"]
+upcast_segment, upcast_value = _GUARDS[True, "aten"]
 
 
-# align=16: the kernel's loads are 16 bytes; aten's vectorized RMSNorm needs 8 (16-bit rows and
-# weight) or 16 (the upcast mode's float32 weight), else it runs another reduction.
-segment = Guard(
-    ("x", "weight", "cos", "sin"), lambda *args: _metadata_reason(*args), _runtime_reason, align=16
-)
-upcast_segment = Guard(
-    ("x", "weight", "cos", "sin"),
-    lambda *args: _metadata_reason(*args, upcast=True),
-    _upcast_runtime_reason,
-    align=16,
-)
-value = Guard(("v",), lambda v: _x_reason(v, "v"), _runtime_reason, align=16)
-upcast_value = Guard(("v",), lambda v: _x_reason(v, "v"), _upcast_runtime_reason, align=16)
+def mode_reason(upcast: Any, rotation: Any) -> str | None:
+    """Why (upcast, rotation) is not a mode of the kernel, or None."""
+    if rotation not in ROTATIONS:
+        return f"rotation {rotation!r} is not one of {ROTATIONS}"
+    if upcast and rotation != "aten":
+        return "the upcast mode rotates as diffusers does (rotation 'aten')"
+    return None
 
 
-def segment_guard(upcast: bool = False) -> Guard:
-    """The guard of one q or k segment in this mode."""
-    return upcast_segment if upcast else segment
+def segment_guard(upcast: bool = False, rotation: str = "aten") -> Guard:
+    """The guard of one q or k segment in this mode (`mode_reason` None)."""
+    return _GUARDS[bool(upcast), rotation][0]
 
 
-def value_guard(upcast: bool = False) -> Guard:
+def value_guard(upcast: bool = False, rotation: str = "aten") -> Guard:
     """The guard of one v segment in this mode (the same checks; the self-check of the mode)."""
-    return upcast_value if upcast else value
+    return _GUARDS[bool(upcast), rotation][1]
 
 
-def segment_decline_reason(x: Any, weight: Any, cos: Any, sin: Any, *, upcast: bool = False) -> Reason:
+def segment_decline_reason(
+    x: Any, weight: Any, cos: Any, sin: Any, *, upcast: bool = False, rotation: str = "aten"
+) -> Reason:
     """Why the kernel declines this q or k segment, or None when it accepts it; `upcast`: in FLUX.3's
-    mode (float32 weight, norm and RoPE in fp32)."""
-    return segment_guard(upcast).reason(x, weight, cos, sin)
+    mode (float32 weight, norm and RoPE in fp32); `rotation`: the host's RoPE arithmetic."""
+    return mode_reason(upcast, rotation) or segment_guard(upcast, rotation).reason(x, weight, cos, sin)
 
 
-def value_decline_reason(v: Any, *, upcast: bool = False) -> Reason:
+def value_decline_reason(v: Any, *, upcast: bool = False, rotation: str = "aten") -> Reason:
     """Why the kernel declines this v segment, or None when it accepts it."""
-    return value_guard(upcast).reason(v)
+    return mode_reason(upcast, rotation) or value_guard(upcast, rotation).reason(v)

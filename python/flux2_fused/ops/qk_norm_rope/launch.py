@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import jit
-from .reference import Segment
+from .reference import ROTATIONS, Segment
 
 SPEC = jit.KernelSpec(
     "qk_norm_rope", sources=("qk_norm_rope.cu",), headers=("qk_norm_rope.cuh", "common.cuh", "entry.cuh")
@@ -24,11 +24,13 @@ def launch(
     v: Sequence[torch.Tensor] | None = None,
     *,
     upcast: bool = False,
+    rotation: str = "aten",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q, k, v) from one launch over one or two segments: each a joint [B, sum S, H, head_dim],
     contiguous (the layout eager's RoPE and concat return, so attention sees the same strides);
     v None when not given. `upcast`: FLUX.3's mode (float32 weights, the norm's output kept in fp32,
-    one rounding at the end), else FLUX.2's."""
+    one rounding at the end), else FLUX.2's; `rotation`: the host's RoPE arithmetic
+    (`reference.ROTATIONS`)."""
     first = q[0].x
     shape = (first.shape[0], sum(segment.x.shape[1] for segment in q), *first.shape[2:])
     q_out, k_out = first.new_empty(shape), first.new_empty(shape)
@@ -40,5 +42,6 @@ def launch(
         else:
             inputs += [None] * 5
     module = jit.module_for(SPEC, first.device)
-    module.qk_norm_rope(q_out, k_out, v_out, *inputs, cos, sin, float(eps), bool(upcast))
+    mode = (bool(upcast), ROTATIONS.index(rotation))
+    module.qk_norm_rope(q_out, k_out, v_out, *inputs, cos, sin, float(eps), *mode)
     return q_out, k_out, v_out

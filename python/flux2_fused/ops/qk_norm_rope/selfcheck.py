@@ -6,7 +6,8 @@ v), rows that break naive kernels (constant, all zero, huge, tiny, NaN, +-Inf), 
 rows of random bit patterns in q, k, v, the weights and finite fp32 tables. The upcast mode (FLUX.3)
 gets the same layouts and rows with float32 weights of full fp32 precision (random bit patterns:
 any float32, subnormals, NaN and Inf included), and adds FLUX.3's own: one segment of q and k from
-separate projections, no v.
+separate projections, no v. ComfyUI's rotations (`addcmul`, `kitchen`) add tables of one row a batch
+element, as ComfyUI's rotation matrices come.
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ HEAD_DIM = 128  # FLUX.2's head size; the kernel reproduces aten's reduction for
 @dataclass(frozen=True)
 class Config:
     """What one self-check verdict covers, with the device and the torch version: the rows' dtype,
-    and the mode (`upcast`: FLUX.3's float32 norm and RoPE with a float32 weight)."""
+    the mode (`upcast`: FLUX.3's float32 norm and RoPE with a float32 weight) and the host's RoPE
+    arithmetic (`rotation`, `reference.ROTATIONS`)."""
 
     dtype: torch.dtype
     upcast: bool = False
+    rotation: str = "aten"
 
     def __str__(self) -> str:
-        mode = " upcast" if self.upcast else ""
+        mode = (" upcast" if self.upcast else "") + ("" if self.rotation == "aten" else f" {self.rotation}")
         return f"head_dim={HEAD_DIM} {str(self.dtype).removeprefix('torch.')}{mode}"
 
 
@@ -68,7 +71,7 @@ def _edge_rows(x: torch.Tensor, big: float, small: float) -> None:
 
 def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     """Compare the kernel with live eager for one dtype and mode: (passed, what was compared)."""
-    dtype, upcast = config.dtype, config.upcast
+    dtype, upcast, rotation = config.dtype, config.upcast, config.rotation
     weight_dtype = torch.float32 if upcast else dtype
     gen = torch.Generator(device=device)
     gen.manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
@@ -104,7 +107,8 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     else:
         noise_weights = [random_bits((HEAD_DIM,), dtype, gen) for _ in range(2)]
     finite = torch.rand(tokens, HEAD_DIM, generator=gen, device=device) * 2 - 1
-    exponents = torch.randint(-60, 60, (tokens, HEAD_DIM), generator=gen, device=device)
+    # down to float32's subnormals, which comfy-kitchen's rotation flushes
+    exponents = torch.randint(-150, 60, (tokens, HEAD_DIM), generator=gen, device=device)
     noisy_table = torch.ldexp(finite, exponents.float()).float()
     cases = {
         "double block: text + image segments of q, k, v": (
@@ -129,6 +133,15 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
             [noise[2]],
         ),
     }
+    if rotation != "aten":  # ComfyUI's tables come one a batch row
+        batched = [t[None].expand(batch, -1, -1).contiguous() for t in (cos, sin)]
+        batched[1][1] = batched[1][1].flip(0)
+        cases["one table a batch row"] = (
+            [Segment(q_txt, wq_txt), Segment(q_img, wq_img)],
+            [Segment(k_txt, wk_txt), Segment(k_img, wk_img)],
+            *batched,
+            [v_txt, v_img],
+        )
     if upcast:  # FLUX.3: one segment of the joint rows, q and k from their own projections, no v
         q_one, k_one = projection(tokens), projection(tokens)
         _edge_rows(q_one, big, small)
@@ -141,13 +154,13 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
             None,
         )
     for name, (q, k, c, s, v) in cases.items():
-        got = launch(q, k, c, s, 1e-6, v, upcast=upcast)
-        expected = reference.prologue(q, k, c, s, 1e-6, v, upcast=upcast)
+        got = launch(q, k, c, s, 1e-6, v, upcast=upcast, rotation=rotation)
+        expected = reference.prologue(q, k, c, s, 1e-6, v, upcast=upcast, rotation=rotation)
         if not all(a is b or bits_equal(a, b) for a, b in zip(got, expected, strict=True)):
             return False, f"{name}: differs from eager"
     torch.cuda.synchronize(device)
     shape = f"[{batch}, {tokens}, {heads}, {HEAD_DIM}]"
-    mode = ", upcast (float32 weights)" if upcast else ""
+    mode = (", upcast (float32 weights)" if upcast else "") + ("" if rotation == "aten" else f", {rotation}")
     return True, f"{len(cases)} cases x {shape} {dtype}{mode}, edge rows + random bits"
 
 
@@ -156,6 +169,8 @@ OP = FusedOp(
     spec=SPEC,
     self_check=self_check,
     verify_configs=tuple(
-        Config(dtype, upcast) for upcast in (False, True) for dtype in (torch.bfloat16, torch.float16)
+        Config(dtype, upcast, rotation)
+        for upcast, rotation in ((False, "aten"), (True, "aten"), (False, "addcmul"), (False, "kitchen"))
+        for dtype in (torch.bfloat16, torch.float16)
     ),
 )
