@@ -19,22 +19,28 @@ from torch import nn
 
 from ..host import Attention, Host, RMSNormParameters
 from ..ops import qk_norm_rope, swiglu
+from ..ops.qk_norm_rope import Segment
 from .deferral import Fusion, Stream, materialize, stream_dtype
 
 # (cos, sin) RoPE tables, [S_txt + S_img, head_dim] each, text rows first.
 Rope = tuple[torch.Tensor, torch.Tensor]
+# A projection's rows [B, S, H, head_dim] for the prologue, with the q/k norm module that normalizes them.
+Part = tuple[torch.Tensor, nn.Module]
 # A host's own rotation of the normalized joint q and k [B, S, H, head_dim] -> (q, k).
 Rotation = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class HostRope(tuple):
-    """The RoPE of a host whose rotation is not the one the fused prologue computes (ComfyUI, whose
-    rotation runs comfy-kitchen's kernels): `rotate` is the host's own rotation, which the prologue
-    runs after the norms, unfused; the tuple holds whatever tables the host keeps (none needed)."""
+    """The RoPE of a host whose rotation is its own (ComfyUI's `apply_rope`, comfy-kitchen's kernel
+    where installed): `rotate` is that rotation, which the prologue runs after the norms' module calls
+    wherever it does not launch; `rotation` names the fused prologue's rotation that computes it
+    (`qk_norm_rope.reference.ROTATIONS`), None where none does, and the tuple then holds its (cos,
+    sin) tables, else nothing."""
 
-    def __new__(cls, tables: tuple, rotate: Rotation) -> HostRope:
+    def __new__(cls, tables: tuple, rotate: Rotation, rotation: str | None = None) -> HostRope:
         rope = super().__new__(cls, tables)
         rope.rotate = rotate
+        rope.rotation = rotation
         return rope
 
 
@@ -68,19 +74,26 @@ def qk_norms(host: Host, norms: Iterable[nn.Module]) -> list[RMSNormParameters] 
 def prologue(
     host: Host,
     fusion: Fusion,
-    q: list[tuple[torch.Tensor, nn.Module]],
-    k: list[tuple[torch.Tensor, nn.Module]],
+    q: list[Part],
+    k: list[Part],
     rope: Rope,
     v: list[torch.Tensor] | None = None,
 ) -> qk_norm_rope.Prologue:
     """q, k (and v) for attention: each q and k part's heads [B, S, H, hd] through its RMSNorm,
     concatenated along tokens (text first), rotated; v's parts concatenated alike (None when not
     given): one fused launch where the op accepts. Norms the host does not vouch for as RMSNorms
-    (`host.rms_norm`), or of more than one eps (a launch takes one), run as the host's module calls,
-    and so do all of them where the tables carry the host's own rotation (`HostRope`), which then
-    rotates the normalized rows."""
+    (`host.rms_norm`), or of more than one eps (a launch takes one), run as the host's module calls.
+    A host's own rotation (`HostRope`) is the op's `rotation` where one computes it, in a launch
+    only (not a torch.compile trace): wherever that launch declines, the norms' module calls and the
+    host's rotation run, the host's code in place of the op's eager chain."""
     rotate = getattr(rope, "rotate", None)
-    norms = None if rotate is not None else qk_norms(host, (norm for _, norm in (*q, *k)))
+    norms = qk_norms(host, (norm for _, norm in (*q, *k)))
+    if norms is not None and rotate is not None:
+        if rope.rotation is not None and fusion.fused and not torch.compiler.is_compiling():
+            out = qk_norm_rope.fused(*_segments(norms, q, k), *rope, norms[0][1], v, rotation=rope.rotation)
+            if out is not None:
+                return out
+        norms = None
     if norms is None:
         # The norms as module calls, in diffusers' order: the last (image) part's q and k first.
         normed_q, normed_k = [None] * len(q), [None] * len(k)
@@ -95,9 +108,14 @@ def prologue(
         else:
             query, key = (qk_norm_rope.reference.rope(t, *rope) for t in (query, key))
         return query, key, None if v is None else torch.cat(v, dim=1)
+    return qk_norm_rope.apply(*_segments(norms, q, k), *rope, norms[0][1], v, enabled=fusion.fused)
+
+
+def _segments(norms: list[RMSNormParameters], q: list[Part], k: list[Part]) -> list[list[Segment]]:
+    """The op's q and k segments: each part's rows with its norm's weight (`norms` in q's then k's
+    order)."""
     weights = iter(weight for weight, _ in norms)
-    segments = [[qk_norm_rope.Segment(x, next(weights)) for x, _ in parts] for parts in (q, k)]
-    return qk_norm_rope.apply(*segments, *rope, norms[0][1], v, enabled=fusion.fused)
+    return [[Segment(x, next(weights)) for x, _ in parts] for parts in (q, k)]
 
 
 def qkv_projections(

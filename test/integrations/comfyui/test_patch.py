@@ -74,6 +74,50 @@ def test_the_fused_branches_are_comfyui_bit_for_bit(
     assert len(gated_resnorm_on_cpu) == 4 * tiny["depth"] + tiny["depth_single_blocks"] + 1
 
 
+@pytest.fixture
+def prologue_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """ComfyUI's RoPE taken as torch's "addcmul" rotation (what `rope_rotation` says where comfy-kitchen
+    runs its eager backend) and the qk_norm_rope 'kernel' as its reference over the same segments (the
+    kernel's contract), so the CPU runs the binding's fused prologue: the tables from ComfyUI's
+    rotation matrices, the norms' weights and eps, text rows first. One entry (the rotation) a launch."""
+    from flux2_fused.ops import qk_norm_rope
+
+    launches: list[str] = []
+
+    def fused(q, k, cos, sin, eps, v=None, *, upcast=False, rotation="aten"):
+        launches.append(rotation)
+        return qk_norm_rope.reference.prologue(q, k, cos, sin, eps, v, upcast=upcast, rotation=rotation)
+
+    monkeypatch.setattr(binding, "rope_rotation", lambda dtype, pe: "addcmul")
+    monkeypatch.setattr(qk_norm_rope, "fused", fused)
+    return launches
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_fused_prologue_is_comfyui_bit_for_bit(
+    dtype: torch.dtype, batch: int, prologue_on_cpu: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every block's q/k norms and ComfyUI's rotation as one prologue launch: ComfyUI's bits (its q/k
+    RMSNorms without eps take float32's machine epsilon, as aten does)."""
+    model = support.flux(dtype)
+    assert all(block.img_attn.norm.query_norm.eps is None for block in model.double_blocks)
+    _compare(model, monkeypatch, **support.inputs(dtype, batch))
+    tiny = support.TINY
+    assert prologue_on_cpu == ["addcmul"] * (tiny["depth"] + tiny["depth_single_blocks"])
+
+
+def test_the_prologue_leaves_norms_that_cast_per_call_to_comfyui(
+    prologue_on_cpu: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q/k norms whose weights ComfyUI casts per call (`manual_cast`) are not vouched for: the norms
+    run as modules and ComfyUI's own `apply_rope` rotates, no prologue launch."""
+    import comfy.ops
+
+    _compare(support.flux(operations=comfy.ops.manual_cast), monkeypatch, **support.inputs())
+    assert prologue_on_cpu == []
+
+
 def _declines(model: torch.nn.Module, reason: str, **kwargs: Any) -> None:
     """ComfyUI's own forward runs the call, with a warning naming `reason`, and gives its bits."""
     expected = _run(model, **kwargs)

@@ -1,6 +1,7 @@
 """ComfyUI's FLUX.2 model on CUDA: `enable()` equals ComfyUI's own output bit for bit with the fused
-kernels running (each modulated norm one launch, each SwiGLU one), with comfy-kitchen's CUDA RoPE and
-with its eager one, at the tiny size and at klein-4B's."""
+kernels running (each modulated norm one launch, each SwiGLU one, each block's q/k norms and RoPE
+one), with comfy-kitchen's CUDA RoPE and with its eager one, at the tiny size and at klein-4B's; the
+prologue kernel in each rotation equals ComfyUI's q/k norms and comfy-kitchen's RoPE on any bits."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from flux2_fused.integrations.comfyui import enable  # noqa: E402
 
 
 def _sites(double: int, single: int) -> int:
-    """Our launches in one call: a double block's four modulated norms and two SwiGLUs, a single
-    block's norm and SwiGLU, the output norm (ComfyUI's q/k norms and RoPE stay its own)."""
-    return 6 * double + 2 * single + 1
+    """Our launches in one call: a double block's four modulated norms, two SwiGLUs and its prologue,
+    a single block's norm, SwiGLU and prologue, the output norm."""
+    return 7 * double + 3 * single + 1
 
 
 @pytest.fixture(params=["cuda", "eager"], ids=["kitchen-cuda", "kitchen-eager"])
@@ -70,3 +71,46 @@ def test_klein_4b_at_1024(rope_backend: str) -> None:
     model = comfyui.random_model("klein-4b", torch.device("cuda"), torch.bfloat16)
     inputs = comfyui.step_inputs(config, 1, 4096, 512, torch.bfloat16)
     _check(model, inputs, _sites(config.num_layers, config.num_single_layers))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_prologue_is_comfyuis_norms_and_rope_on_any_bits(dtype: torch.dtype, rope_backend: str) -> None:
+    """ComfyUI's q/k RMSNorms (eps None) on its [B, H, S, hd] views of a qkv projection, then its
+    `apply_rope` (comfy-kitchen live): the kernel in the rotation `rope_rotation` names gives the same
+    bits, on random bit patterns in the rows and weights (subnormal norm outputs included) and on
+    edge rows."""
+    import comfy.ops
+    from comfy.ldm.flux.math import apply_rope, rope
+
+    from flux2_fused.integrations.comfyui.host import rope_rotation
+    from flux2_fused.ops import bits_equal, random_bits
+    from flux2_fused.ops.qk_norm_rope import Segment, qk_norm_rope, reference
+
+    gen = torch.Generator("cuda").manual_seed(7)
+    batch, tokens, heads = 2, 333, 3
+    qkv = random_bits((batch, tokens, 3 * heads * 128), dtype, gen)
+    qkv[0, :40] = torch.randn(40, 3 * heads * 128, generator=gen, device="cuda").to(dtype)
+    qkv[0, 1] = 0.0
+    qkv[0, 2] *= 1e-30 if dtype == torch.bfloat16 else 1e-4
+    norms = [comfy.ops.disable_weight_init.RMSNorm(128, dtype=dtype, device="cuda") for _ in "qk"]
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(random_bits((128,), dtype, gen))
+        norms[0].weight[:64] = torch.randn(64, generator=gen, device="cuda").to(dtype)
+    ids = torch.randint(0, 64, (batch, tokens, 3), generator=gen, device="cuda")
+    pe = torch.cat([rope(ids[..., i], d, 2000) for i, d in enumerate((32, 48, 48))], dim=-3).unsqueeze(1)
+    q, k, _ = qkv.view(batch, tokens, 3, heads, 128).permute(2, 0, 3, 1, 4)
+    with torch.inference_mode():
+        expected = apply_rope(norms[0](q).to(q), norms[1](k).to(q), pe)
+        rotation = rope_rotation(dtype, pe)
+        assert rotation == {"cuda": "kitchen", "eager": "addcmul"}[rope_backend]
+        rows = qkv.view(batch, tokens, 3, heads, 128).unbind(2)
+        got = qk_norm_rope(
+            [Segment(rows[0], norms[0].weight)],
+            [Segment(rows[1], norms[1].weight)],
+            *reference.comfy_tables(pe),
+            eps=torch.finfo(torch.float32).eps,
+            rotation=rotation,
+        )
+    for a, b in zip(got[:2], expected, strict=True):
+        assert bits_equal(a.transpose(1, 2), b)

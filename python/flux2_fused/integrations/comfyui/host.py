@@ -9,9 +9,10 @@ A `ComfyHost` implements `flux2_fused.host.Host` for ComfyUI's `comfy.ldm.flux` 
   activation), nothing hooks it and its class's methods are ComfyUI's own;
 - norms are `comfy.ops` classes (one per weight-handling mode: `disable_weight_init`,
   `manual_cast`, ComfyUI's fp8 and mixed-precision ops subclass them): `layer_norm` vouches for an
-  affine-free one. Its q/k RMSNorms are called as modules (`rms_norm` vouches for none): their
-  weights may be cast, streamed or patched per call, and they run beside ComfyUI's own RoPE, which
-  the binding leaves to ComfyUI (docs/numerics.md, 12);
+  affine-free one, `rms_norm` for a q/k RMSNorm that uses its own weight as it is (no per-call cast,
+  stream or patch: those run as module calls);
+- its RoPE is `apply_rope`, comfy-kitchen's where installed: `rope_rotation` says which of the fused
+  prologue's rotations computes it on this installation, if any (docs/numerics.md, 12);
 - projections are the modules' own calls, so ComfyUI's LoRA weight functions, casts and fp8 scaled
   weights run as in ComfyUI;
 - the attention is ComfyUI's `optimized_attention` as `comfy.ldm.flux.math` finds it, with the
@@ -23,6 +24,7 @@ of it is plain, so `call` never has to run a view.
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...host import Attention, ModuleHost, methods_unpatched, unwrapped
+from ...host import Attention, ModuleHost, RMSNormParameters, methods_unpatched, unwrapped
 
 FLUX_MATH = "comfy.ldm.flux.math"
 FLUX_LAYERS = "comfy.ldm.flux.layers"
@@ -107,14 +109,57 @@ def checked_attention() -> bool:
     )
 
 
+# comfy-kitchen versions whose CUDA RoPE kernel the prologue's "kitchen" rotation reproduces: read
+# from its compiled code and checked against it on the GPU (docs/numerics.md, 12). Another version
+# may compile otherwise, so its RoPE runs as ComfyUI runs it.
+KITCHEN_VERSIONS = frozenset({"0.2.26"})
+
+
+def _kitchen_version() -> str | None:
+    try:
+        return importlib.metadata.version("comfy-kitchen")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def rope_rotation(dtype: torch.dtype, pe: torch.Tensor) -> str | None:
+    """The fused prologue's rotation (`qk_norm_rope.reference.ROTATIONS`) that computes ComfyUI's
+    `apply_rope` of q, k of `dtype` by its rotation matrices `pe` on CUDA, as this installation
+    dispatches it: comfy-kitchen's CUDA kernel ("kitchen", for the versions in KITCHEN_VERSIONS), or
+    torch's ops (comfy-kitchen's eager backend, ComfyUI's own in training mode: "addcmul"). None
+    where neither runs (another backend or version, the CPU, a torch.compile trace, fp32 rows or
+    tables): ComfyUI's `apply_rope` then rotates."""
+    if torch.compiler.is_compiling() or pe.device.type != "cuda" or pe.dtype != torch.float32:
+        return None
+    if dtype not in (torch.bfloat16, torch.float16) or not flux_math_unpatched():
+        return None
+    management, quant_ops = sys.modules.get("comfy.model_management"), sys.modules.get("comfy.quant_ops")
+    if getattr(management, "in_training", False):
+        return "addcmul"  # `comfy.ldm.flux.math._apply_rope`: torch
+    kitchen = getattr(quant_ops, "ck", None)
+    if kitchen is None:
+        return None
+    stand_in = torch.empty((0, 0, 0, 0), dtype=dtype, device=pe.device)
+    try:
+        backend = kitchen.registry.get_capable_backend(
+            "apply_rope", {"xq": stand_in, "xk": stand_in, "freqs_cis": pe}
+        )
+    except Exception:  # no backend takes it: ComfyUI's call would fail alike
+        return None
+    if backend == "eager":
+        return "addcmul"
+    return "kitchen" if backend == "cuda" and _kitchen_version() in KITCHEN_VERSIONS else None
+
+
 class ComfyHost(ModuleHost):
     """The ComfyUI host (see the module docstring): `classes` are ComfyUI's FLUX classes whose
-    forward the block code reproduces; `layer_norm_class` is `comfy.ops`' LayerNorm base
-    (`disable_weight_init.LayerNorm`)."""
+    forward the block code reproduces; `layer_norm_class` and `rms_norm_class` are `comfy.ops`'
+    LayerNorm and RMSNorm bases (`disable_weight_init.LayerNorm`, `.RMSNorm`)."""
 
-    def __init__(self, classes: frozenset[type], layer_norm_class: type) -> None:
+    def __init__(self, classes: frozenset[type], layer_norm_class: type, rms_norm_class: type) -> None:
         super().__init__(TORCH_CLASSES | classes)
         self.layer_norm_class = layer_norm_class
+        self.rms_norm_class = rms_norm_class
 
     def plain(self, module: nn.Module | View) -> bool:
         if isinstance(module, View):
@@ -136,6 +181,18 @@ class ComfyHost(ModuleHost):
         if self._op_plain(module, self.layer_norm_class) and module.weight is None and module.bias is None:
             return module.eps
         return super().layer_norm(module)
+
+    def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
+        """A `comfy.ops` RMSNorm computes `F.rms_norm` with its own weight where it casts nothing per
+        call (`comfy_cast_weights` off, no weight function) and the weight is a plain tensor; its
+        eps None is aten's default, float32's machine epsilon, whatever the rows' dtype."""
+        if (
+            self._op_plain(module, self.rms_norm_class)
+            and not module.comfy_cast_weights
+            and type(module.weight) in (nn.Parameter, torch.Tensor)
+        ):
+            return module.weight, torch.finfo(torch.float32).eps if module.eps is None else module.eps
+        return super().rms_norm(module)
 
     def attention(
         self, attn: nn.Module | View, options: Mapping[str, Any] | None, text_tokens: int

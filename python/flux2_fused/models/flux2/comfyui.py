@@ -29,7 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...host import call_arguments
-from ...integrations.comfyui.host import ComfyHost, View, checked_attention, flux_math_unpatched
+from ...integrations.comfyui.host import (
+    ComfyHost,
+    View,
+    checked_attention,
+    flux_math_unpatched,
+    rope_rotation,
+)
+from ...ops import qk_norm_rope
 from ..common import HostRope, activation_plain, feed_forward_plain, layer_norms_plain
 from ..deferral import Fusion, PendingConcat, Stream, materialize, stream_rows
 from .blocks import DOUBLE_NORMS, double_block_body, single_block_body
@@ -66,7 +73,7 @@ def make_host() -> ComfyHost:
         layers.LastLayer,
         layers.SiLUActivation,
     }
-    return ComfyHost(frozenset(classes), ops.disable_weight_init.LayerNorm)
+    return ComfyHost(frozenset(classes), ops.disable_weight_init.LayerNorm, ops.disable_weight_init.RMSNorm)
 
 
 def saturate(x: torch.Tensor) -> torch.Tensor:
@@ -207,19 +214,21 @@ def blocks_reason(
     return None
 
 
-def host_rope(pe: torch.Tensor) -> HostRope:
-    """The block code's RoPE for ComfyUI's rotation matrices pe [B, 1, S, hd/2, 2, 2]: ComfyUI's own
-    rotation, `apply_rope` as its FLUX attention calls it (comfy-kitchen's where installed), on the
-    [B, H, S, hd] views its blocks rotate, and no tables: comfy-kitchen's kernels are not the fused
-    prologue's to reproduce, so the q/k norms and the rotation run as ComfyUI runs them
-    (docs/numerics.md, 12)."""
+def host_rope(pe: torch.Tensor, dtype: torch.dtype) -> HostRope:
+    """The block code's RoPE for ComfyUI's rotation matrices pe [B, 1, S, hd/2, 2, 2] and q, k of
+    `dtype`: where one of the fused prologue's rotations computes ComfyUI's `apply_rope` on this
+    installation (`rope_rotation`: comfy-kitchen's CUDA kernel, or torch's ops), that rotation with
+    pe's entries as tables; ComfyUI's own `apply_rope` on the [B, H, S, hd] views its blocks rotate
+    wherever the prologue does not launch (docs/numerics.md, 12)."""
     from comfy.ldm.flux.math import apply_rope
 
     def rotate(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, k = apply_rope(query.transpose(1, 2), key.transpose(1, 2), pe)
         return q.transpose(1, 2), k.transpose(1, 2)
 
-    return HostRope((), rotate)
+    rotation = rope_rotation(dtype, pe)
+    tables = () if rotation is None else qk_norm_rope.reference.comfy_tables(pe)
+    return HostRope(tables, rotate, rotation)
 
 
 def _modulation(module: nn.Module, host: ComfyHost, vec: torch.Tensor) -> torch.Tensor:
@@ -293,7 +302,7 @@ def _blocks(
         txt = host.call(model.txt_norm, txt)
     c: Stream = host.linear(model.txt_in, txt)
     ids = torch.cat((settings["txt_ids"], settings["img_ids"]), dim=1)
-    rope = host_rope(host.call(model.pe_embedder, ids))
+    rope = host_rope(host.call(model.pe_embedder, ids), x.dtype)
     mod_img = _modulation(model.double_stream_modulation_img, host, vec)
     mod_txt = _modulation(model.double_stream_modulation_txt, host, vec)
     text_tokens = txt.shape[1]
