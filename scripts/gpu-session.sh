@@ -4,7 +4,8 @@
 #                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
 #                          [baseline-kernel-bench] [baseline-step-bench] [parallel-bench] [pytest:ARGS]
 #                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang] [scan] [float8-compile] [clocks]
-#                          [timeline] [flux3] [comfyui] [comfyui-dev] [script:PATH ARGS] [step:OPTIONS]
+#                          [timeline] [flux3] [comfyui] [comfyui-dev] [comfyui-flux1] [script:PATH ARGS]
+#                          [step:OPTIONS]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
 # pipeline-bench: a Flux2KleinPipeline call (klein-4b, 1024 px, 8 steps, CFG, VAE decode) alone vs enable();
@@ -148,6 +149,9 @@ for step in "$@"; do
     comfyui-dev)
       comfyui_core
       step_bench step-comfyui-dev --config dev --host comfyui --floor ${COMFYUI_ARGS:-} || rc=1 ;;
+    comfyui-flux1)  # ComfyUI's FLUX.1-dev: its step beside torch.compile and the floor
+      comfyui_core
+      step_bench step-comfyui-flux1-dev --config flux1-dev --host comfyui --vs-compile --floor ${COMFYUI_ARGS:-} || rc=1 ;;
     script:*) OUT=$OUT PYTHONPATH=/tmp/sglang:$PYTHONPATH python3 ${step#script:} 2>&1 | tee -a "$OUT/script.log" | tail -60 || rc=1 ;;
     step:*)  # the step benchmark with these options, a JSON and log numbered in run order
       runs=$((${runs:-0} + 1))

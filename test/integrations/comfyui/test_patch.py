@@ -128,10 +128,42 @@ def _declines(model: torch.nn.Module, reason: str, **kwargs: Any) -> None:
     assert torch.equal(patched, expected)
 
 
-def test_flux1_runs_comfyui_forward() -> None:
-    flux1 = {"global_modulation": False, "mlp_silu_act": False, "qkv_bias": True, "ops_bias": True}
-    y = torch.zeros(2, 32, dtype=torch.bfloat16)
-    _declines(support.flux(**flux1, vec_in_dim=32), "not a FLUX.2 model", **support.inputs(), y=y)
+def _flux1_inputs(dtype: torch.dtype = torch.bfloat16, batch: int = 2) -> dict[str, torch.Tensor]:
+    """FLUX.1's call: the latent, timesteps and text, its pooled-text vector y and the guidance."""
+    gen = torch.Generator().manual_seed(9)
+    return {
+        **support.inputs(dtype, batch),
+        "y": torch.randn(batch, support.TINY_FLUX1["vec_in_dim"], generator=gen).to(dtype),
+        "guidance": torch.full((batch,), 3.5, dtype=dtype),
+    }
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_flux1_output_bit_for_bit(dtype: torch.dtype, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ComfyUI's FLUX.1 (each block's own modulation, tanh-GELU MLPs, biases, y and guidance) on the
+    block code: ComfyUI's bits."""
+    _compare(support.flux(dtype, **support.TINY_FLUX1), monkeypatch, **_flux1_inputs(dtype, batch))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_flux1_fused_branches_are_comfyui_bit_for_bit(
+    dtype: torch.dtype, gated_resnorm_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FLUX.1's modulated norms (each block's own modulation) as fused launches, the GELU through the
+    gelu_tanh op: ComfyUI's bits."""
+    gelu = []
+    from flux2_fused.ops import gelu_tanh
+
+    for name in ("apply", "concat"):
+        op = getattr(gelu_tanh, name)
+        monkeypatch.setattr(
+            gelu_tanh, name, lambda *args, _op=op, _name=name, **kw: gelu.append(_name) or _op(*args, **kw)
+        )
+    _compare(support.flux(dtype, **support.TINY_FLUX1), monkeypatch, **_flux1_inputs(dtype))
+    tiny = support.TINY_FLUX1
+    assert len(gated_resnorm_on_cpu) == 4 * tiny["depth"] + tiny["depth_single_blocks"] + 1
+    assert sorted(gelu) == sorted(["apply"] * 2 * tiny["depth"] + ["concat"] * tiny["depth_single_blocks"])
 
 
 def test_block_replacements_run_comfyui_forward() -> None:
@@ -221,11 +253,18 @@ def test_another_tools_forward_orig_stays(monkeypatch: pytest.MonkeyPatch) -> No
     assert torch.equal(_run(model, **support.inputs()), expected) and len(calls) == 2
 
 
-def test_other_flux_variants_decline_before_their_blocks_are_read() -> None:
-    """A FLUX variant whose blocks hold other modules (Ovis-Image's gated MLPs) falls back with a reason,
-    never an error from reading its blocks."""
-    model = support.flux(global_modulation=False, mlp_silu_act=False, yak_mlp=True, txt_norm=True)
-    _declines(model, "not a FLUX.2 model", **support.inputs(), y=None)
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"global_modulation": False, "mlp_silu_act": False, "yak_mlp": True, "txt_norm": True},
+        {"mlp_silu_act": False},
+    ],
+    ids=["ovis-image", "shared-modulation-gelu"],
+)
+def test_other_flux_variants_decline_before_their_blocks_are_read(variant: dict[str, bool]) -> None:
+    """A FLUX variant the block code does not implement (Ovis-Image's gated MLPs; shared modulation
+    with GELU MLPs) falls back with a reason, never an error from reading its blocks."""
+    _declines(support.flux(**variant), "not a FLUX.1 or FLUX.2 model", **support.inputs(), y=None)
 
 
 def test_a_deep_copy_is_patched_for_itself_and_a_second_handle_keeps_its_patch() -> None:

@@ -1,6 +1,7 @@
-"""ComfyUI's FLUX.2 model on CUDA: `enable()` equals ComfyUI's own output bit for bit with the fused
-kernels running (each modulated norm one launch, each SwiGLU one, each block's q/k norms and RoPE
-one), with comfy-kitchen's CUDA RoPE and with its eager one, at the tiny size and at klein-4B's; the
+"""ComfyUI's FLUX model on CUDA: `enable()` equals ComfyUI's own output bit for bit with the fused
+kernels running (each modulated norm one launch, each SwiGLU or GELU one, each block's q/k norms and
+RoPE one), with comfy-kitchen's CUDA RoPE and with its eager one, FLUX.2 at the tiny size and at
+klein-4B's, FLUX.1 at the tiny size and at dev's; the
 prologue kernel in each rotation equals ComfyUI's q/k norms and comfy-kitchen's RoPE on any bits."""
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from flux2_fused.integrations.comfyui import enable  # noqa: E402
 
 
 def _sites(double: int, single: int) -> int:
-    """Our launches in one call: a double block's four modulated norms, two SwiGLUs and its prologue,
-    a single block's norm, SwiGLU and prologue, the output norm."""
+    """Our launches in one call: a double block's four modulated norms, two SwiGLUs (FLUX.1: GELUs) and
+    its prologue, a single block's norm, SwiGLU (GELU) and prologue, the output norm."""
     return 7 * double + 3 * single + 1
 
 
@@ -62,6 +63,30 @@ def test_tiny_model_on_cuda(dtype: torch.dtype, batch: int, rope_backend: str) -
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tiny_flux1_on_cuda(dtype: torch.dtype, rope_backend: str) -> None:
+    """ComfyUI's FLUX.1 (each block's modulation, tanh-GELU MLPs through gelu_tanh, y, guidance)."""
+    model = support.flux(dtype, device="cuda", **support.TINY_FLUX1)
+    gen = torch.Generator("cuda").manual_seed(3)
+    inputs = {
+        **support.inputs(dtype, 2, device="cuda"),
+        "y": torch.randn(2, support.TINY_FLUX1["vec_in_dim"], generator=gen, device="cuda").to(dtype),
+        "guidance": torch.full((2,), 3.5, dtype=dtype, device="cuda"),
+    }
+    tiny = support.TINY_FLUX1
+    _check(model, inputs, _sites(tiny["depth"], tiny["depth_single_blocks"]))
+
+
+def test_flux1_dev_at_1024() -> None:
+    """FLUX.1-dev's blocks (19 double, 38 single, 3072 wide) on a 1024x1024 latent with 512 text tokens,
+    comfy-kitchen's CUDA RoPE."""
+    from flux2_fused.bench import comfyui
+
+    model = comfyui.random_model("flux1-dev", torch.device("cuda"), torch.bfloat16)
+    inputs = comfyui.step_inputs(comfyui.preset_params("flux1-dev"), 1, 4096, 512, torch.bfloat16)
+    _check(model, inputs, _sites(19, 38))
+
+
 def test_klein_4b_at_1024(rope_backend: str) -> None:
     """klein-4B's blocks (5 double, 20 single, 3072 wide) on a 1024x1024 latent with 512 text tokens."""
     from flux2_fused.bench import comfyui
@@ -69,7 +94,7 @@ def test_klein_4b_at_1024(rope_backend: str) -> None:
 
     config = Flux2Config.preset("klein-4b")
     model = comfyui.random_model("klein-4b", torch.device("cuda"), torch.bfloat16)
-    inputs = comfyui.step_inputs(config, 1, 4096, 512, torch.bfloat16)
+    inputs = comfyui.step_inputs(comfyui.preset_params("klein-4b"), 1, 4096, 512, torch.bfloat16)
     _check(model, inputs, _sites(config.num_layers, config.num_single_layers))
 
 

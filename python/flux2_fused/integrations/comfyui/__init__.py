@@ -1,4 +1,4 @@
-"""ComfyUI as a host: ComfyUI's FLUX.2 model on the family's block code and the fused ops.
+"""ComfyUI as a host: ComfyUI's FLUX model (FLUX.1 and FLUX.2) on the block code and the fused ops.
 
 In a workflow, the "FLUX fused (bit-exact)" node (`nodes`) takes a MODEL and returns it patched. In
 Python:
@@ -10,8 +10,8 @@ Python:
 
 A call runs on the block code (through a `ComfyHost`, `host`) where the family's ComfyUI binding
 (`flux2_fused.models.flux2.comfyui`) can do all of it, and is then bit-identical to ComfyUI's own
-output; elsewhere (FLUX.1 models, ControlNet, block replacements, attention patches) it is ComfyUI's
-own forward. docs/comfyui.md has the details.
+output; elsewhere (other FLUX variants, ControlNet, block replacements, attention patches) it is
+ComfyUI's own forward. docs/comfyui.md has the details.
 """
 
 from .host import ComfyHost, View

@@ -26,7 +26,7 @@ class FluxFused(io.ComfyNode):
             display_name="FLUX fused (bit-exact)",
             category="advanced/model",
             description=(
-                "Runs the FLUX.2 transformer through flux2-fused's fused kernels, bit-identical to "
+                "Runs the FLUX.1 or FLUX.2 transformer through flux2-fused's fused kernels, bit-identical to "
                 "ComfyUI's own output; any call it cannot run exactly runs ComfyUI's own code."
             ),
             inputs=[io.Model.Input("model")],

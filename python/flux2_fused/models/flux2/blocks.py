@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from ...host import Attention, Host
-from ...ops import swiglu
 from ..common import (
     Options,
     Rope,
+    activate_concat,
     activation_plain,
     call_double_block,
     double_block_mlps,
@@ -97,7 +97,8 @@ def parallel_attention(
     query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
     query, key, _ = prologue(host, fusion, [(query, attn.norm_q)], [(key, attn.norm_k)], rope)
     out = attend(query, key, value)
-    return host.linear(attn.to_out, swiglu.concat(out, mlp, enabled=fusion.fused))
+    act = getattr(attn, "mlp_act_fn", None)
+    return host.linear(attn.to_out, activate_concat(act, fusion, out, mlp))
 
 
 def single_attention(

@@ -1,7 +1,13 @@
-"""FLUX.2 as ComfyUI writes it: `comfy.ldm.flux.model.Flux` with FLUX.2's parameters (global
-modulation, SiLU-gated MLPs) on the family's block code.
+"""FLUX.2 and FLUX.1 as ComfyUI writes them: `comfy.ldm.flux.model.Flux`, whose one set of block
+classes computes both, on FLUX.2's block code.
 
-ComfyUI's FLUX model computes FLUX.2's blocks with other modules and two other roundings:
+ComfyUI's FLUX.1 is its FLUX.2 blocks with other parameters: each block projects its own modulation
+(`img_mod`, `txt_mod`, `modulation`) where FLUX.2 shares three, and the MLPs are Linear, tanh GELU,
+Linear (biased) where FLUX.2's are SiLU-gated; q, k, v, the single block's `linear1` split and the
+output layer are the same code. So the binding hands FLUX.2's block code each block's modulation and
+the GELU as the MLP's activation (`activate`: the `gelu_tanh` op where FLUX.2 runs `swiglu`).
+
+ComfyUI's FLUX model computes the blocks with other modules and two other roundings than diffusers:
 - its q, k, v come from one Linear a stream (`qkv`), split in thirds, as diffusers' fused
   projections do; the single block's `linear1` / `linear2` are diffusers' `to_qkv_mlp_proj` /
   `to_out`; `View`s give the block code those names (`double_view`, `single_view`);
@@ -13,10 +19,10 @@ Only `forward_orig` is replaced: ComfyUI's `forward` (its wrappers), `_forward` 
 reference latents, ids) and everything around the model stay ComfyUI's.
 
 A call runs on the block code only where the block code can do all of it (`model_reason`,
-`blocks_reason`): FLUX.2's
-parameters, every block, attention, MLP, norm and modulation plain for the host, ComfyUI's own FLUX
-attention functions, and nothing the block code does not implement (ControlNet residuals, block
-replacements or patches from other nodes, attention masks, per-token timestep-zero modulation).
+`blocks_reason`): FLUX.1's or FLUX.2's parameters, every block, attention, MLP, norm and modulation
+plain for the host, ComfyUI's own FLUX attention functions, and nothing the block code does not
+implement (ControlNet residuals, block replacements or patches from other nodes, attention masks,
+per-token timestep-zero modulation).
 Everything else is ComfyUI's own `forward_orig`, whole, and the reason is reported.
 """
 
@@ -87,7 +93,8 @@ def make_fusion(fused: bool = True) -> Fusion:
 
 
 def _mlp_view(mlp: nn.Module) -> View:
-    """A FLUX.2 MLP, `Sequential(Linear, SiLUActivation, Linear)`, as diffusers' `Flux2FeedForward`."""
+    """An MLP, `Sequential(Linear, activation, Linear)` (FLUX.2: `SiLUActivation`; FLUX.1: a tanh
+    `nn.GELU`), under diffusers' `Flux2FeedForward` names."""
     return View((mlp,), linear_in=mlp[0], act_fn=mlp[1], linear_out=mlp[2])
 
 
@@ -109,6 +116,8 @@ def double_view(block: nn.Module) -> View:
     )
     return View(
         (block,),
+        modulation=getattr(block, "img_mod", None),  # FLUX.1's own; FLUX.2's blocks have none
+        modulation_context=getattr(block, "txt_mod", None),
         norm1=block.img_norm1,
         norm1_context=block.txt_norm1,
         norm2=block.img_norm2,
@@ -133,21 +142,24 @@ def single_view(block: nn.Module) -> View:
         norm_k=block.norm.key_norm,
         mlp_act_fn=block.mlp_act,
     )
-    return View((block,), norm=block.pre_norm, attn=attn)
+    return View((block,), modulation=block.modulation, norm=block.pre_norm, attn=attn)
 
 
-def _flux2_params(model: nn.Module) -> bool:
-    """FLUX.2's architecture: modulation computed once for all blocks, SiLU-gated MLPs."""
+def _variant(model: nn.Module) -> str | None:
+    """ "flux2" (modulation computed once for all blocks, SiLU-gated MLPs), "flux1" (each block's own
+    modulation, tanh-GELU MLPs), None for ComfyUI's other FLUX variants (yak MLPs, mixed settings)."""
     params = model.params
-    return bool(params.global_modulation and params.mlp_silu_act and not params.yak_mlp)
+    if params.yak_mlp or params.global_modulation != params.mlp_silu_act:
+        return None
+    return "flux2" if params.global_modulation else "flux1"
 
 
 def model_reason(model: nn.Module, options: dict[str, Any]) -> str | None:
     """Why the block code cannot run this model with these transformer options, whatever its
     blocks hold (see the module docstring); None where it can."""
     patches = options.get("patches") or {}
-    if not _flux2_params(model):
-        return "not a FLUX.2 model (FLUX.1 and other FLUX variants run ComfyUI's own forward)"
+    if _variant(model) is None:
+        return "not a FLUX.1 or FLUX.2 model (other FLUX variants run ComfyUI's own forward)"
     if any(patches.get(name) for name in FLUX_PATCHES):
         return (
             f"transformer patches from other nodes ({', '.join(n for n in FLUX_PATCHES if patches.get(n))})"
@@ -169,7 +181,7 @@ def model_reason(model: nn.Module, options: dict[str, Any]) -> str | None:
 
 
 def views_of(model: nn.Module) -> tuple[list[View], list[View]] | None:
-    """The blocks' views, None where a block does not hold what ComfyUI's FLUX.2 blocks hold (a tool
+    """The blocks' views, None where a block does not hold what ComfyUI's FLUX blocks hold (a tool
     swapped a submodule for another kind)."""
     try:
         return [double_view(b) for b in model.double_blocks], [single_view(b) for b in model.single_blocks]
@@ -201,13 +213,17 @@ def blocks_reason(
             and activation_plain(host, attn.mlp_act_fn)
         ):
             return "a single block is hooked, patched or holds modules of other classes"
-    modulations = (
-        model.double_stream_modulation_img,
-        model.double_stream_modulation_txt,
-        model.single_stream_modulation,
-    )
+    if _variant(model) == "flux2":
+        modulations = [
+            model.double_stream_modulation_img,
+            model.double_stream_modulation_txt,
+            model.single_stream_modulation,
+        ]
+    else:
+        modulations = [m for view in doubles for m in (view.modulation, view.modulation_context)]
+        modulations += [view.modulation for view in singles]
     final = model.final_layer
-    if not all(host.plain(mod) for mod in modulations):
+    if not all(mod is not None and host.plain(mod) for mod in modulations):
         return "a modulation is hooked or patched"
     if not (host.plain(final) and layer_norms_plain(host, final, ("norm_final",))):
         return "the output layer is hooked, patched or holds modules of other classes"
@@ -267,7 +283,7 @@ def forward_orig(
         return None, reason
     views = views_of(model)
     if views is None:
-        return None, "a block holds modules of other kinds than ComfyUI's FLUX.2 blocks"
+        return None, "a block holds modules of other kinds than ComfyUI's FLUX blocks"
     reason = blocks_reason(model, host, views, options)
     if reason is not None:
         return None, reason
@@ -303,24 +319,32 @@ def _blocks(
     c: Stream = host.linear(model.txt_in, txt)
     ids = torch.cat((settings["txt_ids"], settings["img_ids"]), dim=1)
     rope = host_rope(host.call(model.pe_embedder, ids), x.dtype)
-    mod_img = _modulation(model.double_stream_modulation_img, host, vec)
-    mod_txt = _modulation(model.double_stream_modulation_txt, host, vec)
+    shared = _variant(model) == "flux2"
+    if shared:
+        mod_img = _modulation(model.double_stream_modulation_img, host, vec)
+        mod_txt = _modulation(model.double_stream_modulation_txt, host, vec)
     text_tokens = txt.shape[1]
     doubles, singles = views
     stream: Stream = x
     options.update(total_blocks=len(doubles), block_type="double")
     for i, view in enumerate(doubles):
         options["block_index"] = i
+        if not shared:
+            mod_img = _modulation(view.modulation, host, vec)
+            mod_txt = _modulation(view.modulation_context, host, vec)
         stream, c = double_block_body(view, host, fusion, stream, c, mod_img, mod_txt, rope, options)
     if x.dtype == torch.float16:
         stream = fusion.saturate(materialize(stream))
     h: Stream = PendingConcat(c, stream)
-    mod_single = _modulation(model.single_stream_modulation, host, vec)
+    if shared:
+        mod_single = _modulation(model.single_stream_modulation, host, vec)
     options.update(
         total_blocks=len(singles), block_type="single", img_slice=[text_tokens, text_tokens + x.shape[1]]
     )
     for i, view in enumerate(singles):
         options["block_index"] = i
+        if not shared:
+            mod_single = _modulation(view.modulation, host, vec)
         h = single_block_body(view, host, fusion, h, mod_single, rope, options, text_tokens)
     final = model.final_layer
     shift, scale = host.call(final.adaLN_modulation, vec[:, None, :]).chunk(2, dim=-1)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...host import ModuleHost, sdpa
-from ..common import Options, Rope, output_norm_body, swiglu_mlp
+from ..common import Options, Rope, mlp, output_norm_body
 from ..deferral import Fusion
 from ..weights import CONFIG_NAME, WeightsError, read_config, save_folder, shard_files, stream_into
 from .blocks import (
@@ -130,7 +130,7 @@ class Flux2FeedForward(nn.Module):
         self.fusion = fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_mlp(self, HOST, self.fusion, x)
+        return mlp(self, HOST, self.fusion, x)
 
 
 class Flux2DoubleAttention(nn.Module):
