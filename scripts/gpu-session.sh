@@ -4,7 +4,7 @@
 #                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
 #                          [baseline-kernel-bench] [baseline-step-bench] [parallel-bench] [pytest:ARGS]
 #                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang] [scan] [float8-compile] [clocks]
-#                          [timeline] [flux3] [comfyui] [comfyui-dev] [comfyui-flux1] [script:PATH ARGS]
+#                          [timeline] [flux3] [comfyui] [comfyui-tests] [comfyui-dev] [comfyui-flux1] [script:PATH ARGS]
 #                          [step:OPTIONS]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
@@ -59,6 +59,14 @@ step_bench() {
 comfyui_core() {
   [ -d /tmp/comfyui/ComfyUI ] || { mkdir -p /tmp/comfyui && tar xzf .whl/comfyui-core.tgz -C /tmp/comfyui; } || rc=1
   export FLUX2_FUSED_COMFYUI=/tmp/comfyui/ComfyUI
+}
+# ComfyUI's GPU tests: the node on CUDA, ComfyUI's sampler with the node (its torchsde travels in
+# .whl/), the addcmul norm kernels.
+comfyui_tests() {
+  comfyui_core
+  python3 -m pytest -q test/integrations/comfyui/test_patch_gpu.py test/integrations/comfyui/test_sampling.py 2>&1 |
+    tee "$OUT/comfyui-tests.log" | tail -8 || rc=1
+  python3 -m pytest -q test/ops/gated_resnorm/test_kernel_gpu.py -k addcmul 2>&1 | tee -a "$OUT/comfyui-tests.log" | tail -3 || rc=1
 }
 baseline() { PYTHONPATH=/tmp/site:$PWD/.baseline/python FLUX2_FUSED_CACHE_DIR=/tmp/flux2-cache-baseline "$@"; }
 rc=0
@@ -139,13 +147,12 @@ for step in "$@"; do
       # its GPU tests in their own process (importing ComfyUI sets torch's SDPA flags), the addcmul kernel
       # tests, then klein-4B through ComfyUI's model beside torch.compile and the floor, again with
       # comfy-kitchen's eager RoPE, and batch 2 (COMFYUI_ARGS adds options); comfyui-dev: dev's step
-      comfyui_core
-      python3 -m pytest -q test/integrations/comfyui/test_patch_gpu.py 2>&1 | tee "$OUT/comfyui-tests.log" | tail -8 || rc=1
-      python3 -m pytest -q test/ops/gated_resnorm/test_kernel_gpu.py -k addcmul 2>&1 | tee -a "$OUT/comfyui-tests.log" | tail -3 || rc=1
+      comfyui_tests
       step_bench step-comfyui-klein --config klein-4b --host comfyui --vs-compile --floor ${COMFYUI_ARGS:-} || rc=1
       python3 scripts/comfyui/kitchen-eager.py step --json "$OUT/step-comfyui-klein-kitchen-eager.json" \
         --config klein-4b --host comfyui --floor ${COMFYUI_ARGS:-} 2>&1 | tee "$OUT/step-comfyui-klein-kitchen-eager.log" || rc=1
       step_bench step-comfyui-klein-batch2 --config klein-4b --host comfyui --batch 2 --floor ${COMFYUI_ARGS:-} || rc=1 ;;
+    comfyui-tests) comfyui_tests ;;
     comfyui-dev)
       comfyui_core
       step_bench step-comfyui-dev --config dev --host comfyui --floor ${COMFYUI_ARGS:-} || rc=1 ;;

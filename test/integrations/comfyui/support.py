@@ -72,9 +72,10 @@ def comfyui() -> Path:
 
 class _Absent(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Import-only stand-ins for packages ComfyUI's model and sampler modules import at the top but
-    never call on the FLUX path (torchvision for other models' code, torchaudio for audio VAEs), where
-    they cannot be installed beside the CPU torch: the registry's torchvision for torch 2.13 is a CUDA
-    build that fails to import, and there is no torchaudio for it. Any use raises."""
+    never call on the FLUX path (torchvision for other models' code, torchaudio for audio VAEs, PyAV
+    for video inputs), where they are not installed or cannot be beside the CPU torch: the registry's
+    torchvision for torch 2.13 is a CUDA build that fails to import, and there is no torchaudio for
+    it. Any use raises."""
 
     def __init__(self, names: set[str]) -> None:
         self.names = names
@@ -108,7 +109,7 @@ class _AbsentModule(types.ModuleType):
 
 def import_with_stand_ins(*modules: str) -> None:
     """Import ComfyUI's `modules` (its model loader and sampler) with import-only stand-ins for
-    torchvision and torchaudio where those do not import, then take the stand-ins away again, so
+    torchvision, torchaudio and PyAV where those do not import, then take the stand-ins away again, so
     nothing imported later sees them. transformers' and diffusers' tables of installed packages are
     filled first, without them (both import torchvision's transforms where they believe it is)."""
     import_comfy()
@@ -116,7 +117,7 @@ def import_with_stand_ins(*modules: str) -> None:
         with contextlib.suppress(ImportError):
             importlib.import_module(table)
     missing = set()
-    for name in ("torchvision", "torchaudio"):
+    for name in ("torchvision", "torchaudio", "av"):
         try:
             importlib.import_module(name)
         except Exception:  # absent, or a build for another torch that fails at import

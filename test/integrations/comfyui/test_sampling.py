@@ -36,10 +36,35 @@ def _state_dict(seed: int) -> dict[str, torch.Tensor]:
     return support.flux(torch.float32, seed=seed, **CHANNELS).state_dict()
 
 
-def _patcher(seed: int = 0) -> Any:
-    """A ModelPatcher as ComfyUI's loader makes it: model detection, `model_base.Flux2`, bf16."""
+def _fp8_scaled(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint in ComfyUI's fp8 "scaled" format (its QUANTIZATION.md): each block Linear's weight
+    in float8_e4m3fn with a per-tensor `weight_scale`, and the layer's `comfy_quant` entry naming the
+    format, from which ComfyUI's loader picks its mixed-precision ops."""
+    out = {}
+    for name, tensor in state_dict.items():
+        layer = name.removesuffix(".weight")
+        if (
+            name.endswith(".weight")
+            and tensor.dim() == 2
+            and name.startswith(("double_blocks", "single_blocks"))
+        ):
+            scale = tensor.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+            out[name] = (tensor / scale).to(torch.float8_e4m3fn)
+            out[f"{layer}.weight_scale"] = scale.float()
+            out[f"{layer}.comfy_quant"] = torch.tensor(
+                list(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8
+            )
+        else:
+            out[name] = tensor
+    return out
+
+
+def _patcher(seed: int = 0, fp8_scaled: bool = False) -> Any:
+    """A ModelPatcher as ComfyUI's loader makes it: model detection, `model_base.Flux2`, bf16 (its fp8
+    scaled checkpoint with `fp8_scaled`)."""
+    state_dict = _state_dict(seed)
     patcher = comfy.sd.load_diffusion_model_state_dict(
-        _state_dict(seed), model_options={"dtype": torch.bfloat16}
+        _fp8_scaled(state_dict) if fp8_scaled else state_dict, model_options={"dtype": torch.bfloat16}
     )
     assert patcher is not None
     return patcher
@@ -96,6 +121,18 @@ def test_the_nodes_model_samples_comfyuis_latents(bodies: list[int]) -> None:
     assert len(bodies) == runs
     assert torch.equal(_sample(fused.clone()), expected)  # a clone keeps the node's patch
     assert len(bodies) == 2 * runs
+
+
+def test_fp8_scaled_weights(bodies: list[int]) -> None:
+    """ComfyUI's fp8 "scaled" checkpoint (mixed-precision ops: QuantizedTensor weights with a scale,
+    per-call casts): the node's latents are ComfyUI's, every block through the block code."""
+    patcher = _patcher(fp8_scaled=True)
+    linear = patcher.model.diffusion_model.double_blocks[0].img_attn.qkv
+    assert type(linear.weight).__name__ == "QuantizedTensor"
+    expected = _sample(patcher)
+    assert not torch.equal(expected, _sample(_patcher()))  # the quantized weights change the latents
+    assert torch.equal(_sample(_node(patcher)), expected)
+    assert len(bodies) == 3 * support.TINY["depth"]
 
 
 @pytest.mark.parametrize("order", ["lora-then-node", "node-then-lora"])
