@@ -139,3 +139,23 @@ def test_prologue_is_comfyuis_norms_and_rope_on_any_bits(dtype: torch.dtype, rop
         )
     for a, b in zip(got[:2], expected, strict=True):
         assert bits_equal(a.transpose(1, 2), b)
+
+
+def test_a_replaced_kitchen_rope_runs_comfyuis_rotation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tool that replaces comfy-kitchen's `apply_rope` (here: with a wrapper that halves k) is
+    honored: the prologue does not launch, ComfyUI's rotation (the replacement) runs, ComfyUI's bits."""
+    import comfy_kitchen
+
+    from flux2_fused.integrations.comfyui.host import rope_rotation
+
+    own = comfy_kitchen.apply_rope
+    monkeypatch.setattr(comfy_kitchen, "apply_rope", lambda q, k, pe: own(q, k * 0.5, pe))
+    pe = torch.zeros(1, 1, 3, 64, 2, 2, device="cuda")
+    assert rope_rotation(torch.bfloat16, pe) is None
+    model = support.flux(torch.bfloat16, device="cuda")
+    tiny = support.TINY
+    _check(
+        model,
+        support.inputs(torch.bfloat16, 2, device="cuda"),
+        6 * tiny["depth"] + 2 * tiny["depth_single_blocks"] + 1,
+    )

@@ -127,8 +127,8 @@ def rope_rotation(dtype: torch.dtype, pe: torch.Tensor) -> str | None:
     `apply_rope` of q, k of `dtype` by its rotation matrices `pe` on CUDA, as this installation
     dispatches it: comfy-kitchen's CUDA kernel ("kitchen", for the versions in KITCHEN_VERSIONS), or
     torch's ops (comfy-kitchen's eager backend, ComfyUI's own in training mode: "addcmul"). None
-    where neither runs (another backend or version, the CPU, a torch.compile trace, fp32 rows or
-    tables): ComfyUI's `apply_rope` then rotates."""
+    where neither runs (another backend or version, comfy-kitchen's `apply_rope` replaced, the CPU, a
+    torch.compile trace, fp32 rows or tables): ComfyUI's `apply_rope` then rotates."""
     if torch.compiler.is_compiling() or pe.device.type != "cuda" or pe.dtype != torch.float32:
         return None
     if dtype not in (torch.bfloat16, torch.float16) or not flux_math_unpatched():
@@ -137,8 +137,8 @@ def rope_rotation(dtype: torch.dtype, pe: torch.Tensor) -> str | None:
     if getattr(management, "in_training", False):
         return "addcmul"  # `comfy.ldm.flux.math._apply_rope`: torch
     kitchen = getattr(quant_ops, "ck", None)
-    if kitchen is None:
-        return None
+    if kitchen is None or not _functions_own(((kitchen.apply_rope, "comfy_kitchen"),)):
+        return None  # no comfy-kitchen (ComfyUI's RoPE would fail), or its apply_rope replaced
     stand_in = torch.empty((0, 0, 0, 0), dtype=dtype, device=pe.device)
     try:
         backend = kitchen.registry.get_capable_backend(
