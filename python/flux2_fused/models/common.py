@@ -122,8 +122,11 @@ def qkv_projections(
     attn: nn.Module, host: Host, x: torch.Tensor, separate: tuple[str, str, str], fused: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v [B, S, H, head_dim] of rows x: the three Linears named `separate`, or where the module's
-    projections are fused (`fused_projections`) the one named `fused`, its output chunked in three."""
-    shape = (-1, attn.head_dim)
+    projections are fused (`fused_projections`) the one named `fused`, its output chunked in three.
+    diffusers' generic `Attention` (Qwen-Image's) has no `head_dim`: its processor divides
+    `inner_dim` by `heads`."""
+    head_dim = getattr(attn, "head_dim", None) or attn.inner_dim // attn.heads
+    shape = (-1, head_dim)
     if getattr(attn, "fused_projections", False):
         parts = host.linear(getattr(attn, fused), x).chunk(3, dim=-1)
     else:

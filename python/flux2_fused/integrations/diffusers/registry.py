@@ -27,6 +27,9 @@ FAMILIES = {
     "diffusers.models.transformers.transformer_flux3.Flux3Transformer2DModel": (
         "flux2_fused.models.flux3.diffusers"
     ),
+    "diffusers.models.transformers.transformer_qwenimage.QwenImageTransformer2DModel": (
+        "flux2_fused.models.qwenimage.diffusers"
+    ),
 }
 
 
