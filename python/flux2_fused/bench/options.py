@@ -182,7 +182,8 @@ PX_PER_TOKEN = 16  # the VAE downsamples 8x and FLUX.2 packs 2x2 latent pixels i
 GPU_SIDE, CPU_SIDE = 1024, 256  # default image side in pixels
 DEFAULT_STEPS = 4
 DEFAULT_TEXT_TOKENS = 512
-# `flux2-fused step` and `pipeline`; FLUX.1 and FLUX.3 run on `--host diffusers` only.
+# `flux2-fused step` (and, FLUX's, `pipeline`); FLUX.1, FLUX.3 and Qwen-Image run on `--host diffusers`
+# only.
 STEP_CONFIGS = (
     "dev",
     "klein-4b",
@@ -191,10 +192,11 @@ STEP_CONFIGS = (
     "flux1-schnell",
     "flux3-klein",
     "flux3-klein-flow",
+    "qwen-image",
 )
 # The families without a model of the package's own (diffusers' transformer is their one host), by
 # the prefix of their config names.
-DIFFUSERS_ONLY = {"flux1-": "FLUX.1", "flux3-": "FLUX.3"}
+DIFFUSERS_ONLY = {"flux1-": "FLUX.1", "flux3-": "FLUX.3", "qwen-": "Qwen-Image"}
 
 
 def diffusers_only(name: str) -> str | None:

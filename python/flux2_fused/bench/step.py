@@ -73,7 +73,7 @@ from torch.profiler import ProfilerActivity, profile
 from ..errors import BadValue, CommandError
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from ..models.flux2.model import folder_config
-from . import comfyui, flux1, flux3, hosts
+from . import comfyui, flux1, flux3, hosts, qwenimage
 from .classify import tally
 from .floor import floor_step
 from .options import PX_PER_TOKEN, check_output, diffusers_only, no_package_model, require_at_least_one
@@ -197,7 +197,7 @@ def pipelined_busy_pct(step: Callable[[], object], steps: int = 5) -> float:
 
 # The benchmark modules of the families diffusers alone hosts: each builds its random transformer and
 # a step's inputs, and names its LoRA's target Linears.
-DIFFUSERS_FAMILIES = {"FLUX.1": flux1, "FLUX.3": flux3}
+DIFFUSERS_FAMILIES = {"FLUX.1": flux1, "FLUX.3": flux3, "Qwen-Image": qwenimage}
 
 
 class Subject:
