@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from flux2_fused.bench import denoise, kernel, options
+from flux2_fused.bench.qwenimage import QWEN_IMAGE_PRESETS
 from flux2_fused.models.flux1 import FLUX1_PRESETS
 from flux2_fused.models.flux2 import Flux2Config
 from flux2_fused.models.flux3 import FLUX3_PRESETS
@@ -26,10 +27,15 @@ def test_the_option_lists_match_the_tables_they_mirror() -> None:
     assert tuple(kernel.DTYPES) == options.KERNEL_DTYPES
     flux1_sizes = {name for name in FLUX1_PRESETS if name != "flux1-tiny"}
     flux3_sizes = {name for name in FLUX3_PRESETS if name not in ("flux3-tiny", "flux3-small")}
-    assert set(options.STEP_CONFIGS) <= set(options.CONFIGS) | flux1_sizes | flux3_sizes
+    qwen_sizes = set(QWEN_IMAGE_PRESETS)
+    assert set(options.STEP_CONFIGS) <= set(options.CONFIGS) | flux1_sizes | flux3_sizes | qwen_sizes
     assert set(options.PIPELINE_CONFIGS) <= set(options.STEP_CONFIGS)
-    assert flux1_sizes | flux3_sizes <= set(options.STEP_CONFIGS)
-    assert {options.diffusers_only(name) for name in flux1_sizes | flux3_sizes} == {"FLUX.1", "FLUX.3"}
+    assert flux1_sizes | flux3_sizes | qwen_sizes <= set(options.STEP_CONFIGS)
+    assert {options.diffusers_only(name) for name in flux1_sizes | flux3_sizes | qwen_sizes} == {
+        "FLUX.1",
+        "FLUX.3",
+        "Qwen-Image",
+    }
 
 
 @pytest.mark.parametrize("op", options.KERNEL_OPS)
