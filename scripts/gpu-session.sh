@@ -163,7 +163,9 @@ for step in "$@"; do
     step:*)  # the step benchmark with these options, a JSON and log numbered in run order
       runs=$((${runs:-0} + 1))
       step_bench "step-$runs" ${step#step:} || rc=1 ;;
-    pytest:*) eval "python3 -m pytest -q ${step#pytest:}" 2>&1 | tee -a "$OUT/pytest.log" | tail -15 || rc=1 ;;
+    pytest:*)  # ComfyUI's core unpacked first, so its tests can run here too
+      comfyui_core
+      eval "python3 -m pytest -q ${step#pytest:}" 2>&1 | tee -a "$OUT/pytest.log" | tail -15 || rc=1 ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac
 done
