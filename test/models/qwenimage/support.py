@@ -57,3 +57,31 @@ def step_inputs(
         "timestep": torch.full((batch,), 0.7),
         "img_shapes": [(1, height, width)] * batch,
     }
+
+
+def pipeline(transformer: torch.nn.Module, cls: type | None = None) -> Any:
+    """A Qwen-Image pipeline (`cls`, default QwenImagePipeline) around `transformer`: a two-level
+    AutoencoderKLQwenImage of 4 latent channels (the tiny transformer's 16 inputs are 2x2 packed
+    latents), diffusers' default scheduler, no text encoder (callers pass prompt embeddings and
+    masks); the progress bar off."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(
+        base_dim=16,
+        z_dim=4,
+        dim_mult=[1, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    ).eval()
+    pipe = (cls or QwenImagePipeline)(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=transformer,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

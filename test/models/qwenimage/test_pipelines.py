@@ -1,0 +1,67 @@
+"""Qwen-Image's pipelines with `enable(pipe)` (tiny components, CPU): text to image with true CFG and a
+padded prompt, and image to image, give diffusers' images bit for bit with every transformer call's
+blocks through the block code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from flux2_fused.integrations.diffusers import enable
+
+from ...conftest import count_block_code
+from . import support
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def _prompts() -> dict[str, torch.Tensor]:
+    """Prompt and negative-prompt embeddings, the prompt's last two tokens padding."""
+    gen = torch.Generator().manual_seed(0)
+    embeds = torch.randn(1, 7, support.TINY["joint_attention_dim"], generator=gen)
+    mask = torch.ones(1, 7, dtype=torch.long)
+    mask[0, 5:] = 0
+    return {
+        "prompt_embeds": embeds,
+        "prompt_embeds_mask": mask,
+        "negative_prompt_embeds": embeds * 0.5,
+        "negative_prompt_embeds_mask": torch.ones(1, 7, dtype=torch.long),
+    }
+
+
+def _images_both_ways(pipe: Any, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> int:
+    """The pipeline's images alone and with enable(pipe) are equal; returns the block bodies run."""
+
+    def run() -> torch.Tensor:
+        generator = torch.Generator().manual_seed(1)
+        return pipe(
+            **_prompts(), num_inference_steps=2, generator=generator, output_type="pt", **kwargs
+        ).images
+
+    bodies = count_block_code(monkeypatch, "double_block_body", support.FAMILY)
+    with torch.inference_mode():
+        expected = run()
+        handle = enable(pipe)
+        try:
+            patched = run()
+        finally:
+            handle.disable()
+    assert torch.equal(patched, expected)
+    return len(bodies)
+
+
+def test_text_to_image_with_true_cfg(monkeypatch: pytest.MonkeyPatch) -> None:
+    pipe = support.pipeline(support.transformer())
+    runs = _images_both_ways(pipe, monkeypatch, true_cfg_scale=2.0, height=32, width=32)
+    assert runs == 2 * 2 * support.TINY["num_layers"]  # two steps, prompt and negative prompt
+
+
+def test_image_to_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusers import QwenImageImg2ImgPipeline
+
+    pipe = support.pipeline(support.transformer(), QwenImageImg2ImgPipeline)
+    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    runs = _images_both_ways(pipe, monkeypatch, image=image, strength=0.9, height=32, width=32)
+    assert runs > 0
