@@ -104,14 +104,50 @@ def test_zero_timestep_conditioning_runs_diffusers_forward(monkeypatch: pytest.M
     assert _compare(model, inputs, monkeypatch) == 0
 
 
-def test_a_hooked_block_runs_its_own_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A block with a forward hook runs diffusers' block forward (the hook sees real tensors); the other
-    block runs the block code."""
+def test_a_hooked_block_runs_its_fused_forward_under_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block with a forward hook is called as a module (the hook sees real tensors), and its forward
+    is the block code's."""
     model = support.transformer()
     seen = []
     model.transformer_blocks[1].register_forward_hook(lambda module, args, out: seen.append(out))
-    assert _compare(model, support.step_inputs(), monkeypatch) == support.TINY["num_layers"] - 1
-    assert len(seen) == 2  # diffusers' call and the patched one
+    assert _compare(model, support.step_inputs(), monkeypatch) == support.TINY["num_layers"]
+    assert len(seen) == 2 and all(isinstance(t, torch.Tensor) for t in seen[1])  # diffusers' call, ours
+
+
+@pytest.mark.parametrize("cache", ["first-block", "taylorseer"])
+def test_diffusers_caches_in_either_order(cache: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """diffusers' FirstBlockCache and TaylorSeer on the transformer, before or after enable(): the
+    pipeline's images are the cache's alone, and the blocks the cache runs run the block code."""
+    from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
+
+    configs = {
+        "first-block": lambda: FirstBlockCacheConfig(threshold=0.3),
+        "taylorseer": lambda: TaylorSeerCacheConfig(cache_interval=2, max_order=1),
+    }
+    embeds = torch.randn(
+        1, 7, support.TINY["joint_attention_dim"], generator=torch.Generator().manual_seed(0)
+    )
+    bodies = count_block_code(monkeypatch, "double_block_body", support.FAMILY)
+    images = {}
+    for order in ("alone", "enable-then-cache", "cache-then-enable"):
+        pipe = support.pipeline(support.transformer(num_layers=4))
+        handle = enable(pipe) if order == "enable-then-cache" else None
+        pipe.transformer.enable_cache(configs[cache]())
+        handle = enable(pipe) if order == "cache-then-enable" else handle
+        with torch.inference_mode():
+            images[order] = pipe(
+                prompt_embeds=embeds,
+                prompt_embeds_mask=torch.ones(1, 7, dtype=torch.long),
+                num_inference_steps=6,
+                height=32,
+                width=32,
+                generator=torch.Generator().manual_seed(1),
+                output_type="pt",
+            ).images
+        runs = len(bodies)
+        bodies.clear()
+        assert (runs > 0) == (handle is not None)
+    assert all(torch.equal(image, images["alone"]) for image in images.values())
 
 
 def test_other_attention_arguments_run_the_attention_module(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,16 +46,22 @@ def modulation_plain(host: Host, mod: nn.Module) -> bool:
     )
 
 
-def block_plain(host: Host, block: nn.Module) -> bool:
-    """The block's body may run: the block, its two modulations and four affine-free LayerNorms
-    plain, and no zero-timestep conditioning (`zero_cond_t`, the edit models' per-token modulation)."""
+def parts_plain(host: Host, block: nn.Module) -> bool:
+    """The block code may compute the block's parts: its two modulations and four affine-free
+    LayerNorms plain, and no zero-timestep conditioning (`zero_cond_t`, the edit models' per-token
+    modulation). The block itself aside: its fused forward runs under whatever wraps it (a cache)."""
     return (
-        host.plain(block)
-        and not block.zero_cond_t
+        not block.zero_cond_t
         and modulation_plain(host, block.img_mod)
         and modulation_plain(host, block.txt_mod)
         and layer_norms_plain(host, block, NORMS)
     )
+
+
+def block_plain(host: Host, block: nn.Module) -> bool:
+    """The loop may run the block's body itself: the block plain (nothing wraps or hooks it) and its
+    parts (`parts_plain`)."""
+    return host.plain(block) and parts_plain(host, block)
 
 
 def host_rope(image_rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> HostRope:
@@ -124,8 +130,8 @@ def double_block_call(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A block as diffusers calls one (its arguments, (text, image) back), for a caller other than the
     transformer's loop (a cache, a hook): the body on real tensors; None (diffusers' own forward)
-    without RoPE frequencies, with a modulation index or where the block is not plain."""
-    if image_rotary_emb is None or modulate_index is not None or not block_plain(host, block):
+    without RoPE frequencies, with a modulation index or where its parts are not plain."""
+    if image_rotary_emb is None or modulate_index is not None or not parts_plain(host, block):
         return None
     options = attention_options(joint_attention_kwargs, encoder_hidden_states_mask)
     x, c = double_block_body(
