@@ -53,6 +53,21 @@ def test_lora_adapts_every_blocks_projections_and_modulations() -> None:
     assert not any(name.startswith(("img_in", "txt_in", "proj_out")) for name in adapted)
 
 
+def test_a_lora_with_a_scale_is_diffusers_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peft LoRA on every block's projections and modulations, called with a LoRA `scale`: diffusers'
+    forward and enable()'s equal, the blocks through the block code."""
+    pytest.importorskip("peft")
+    model = _tiny()
+    hosts.add_lora(model, 2, targets=qwenimage.LORA_TARGETS)
+    bodies = count_block_code(monkeypatch, "double_block_body", support.FAMILY)
+    inputs = {**support.step_inputs(), "attention_kwargs": {"scale": 0.7}}
+    with torch.inference_mode():
+        plain = model(**inputs, return_dict=False)[0]
+        hosts.use_fused(model, True)
+        fused = model(**inputs, return_dict=False)[0]
+    assert torch.equal(fused, plain) and len(bodies) == support.TINY["num_layers"]
+
+
 def test_the_quantized_host_switches_with_the_same_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--quantize int8` (torchao): diffusers' forward and enable()'s equal, the blocks through the
     block code."""
