@@ -26,7 +26,7 @@ from torch import nn
 
 from ...host import Attention, call_arguments
 from ...integrations.diffusers.host import Binding, DiffusersHost
-from ..common import output_norm
+from ..common import call_double_block, output_norm
 from ..deferral import Fusion, Stream, materialize
 from . import blocks
 from .blocks import (
@@ -149,14 +149,8 @@ def _blocks(
         if block_plain(host, block):
             x, c = blocks.double_block_body(block, host, fusion, x, c, temb_act, rope, options)
         else:
-            c, x = host.call(
-                block,
-                hidden_states=materialize(x),
-                encoder_hidden_states=materialize(c),
-                encoder_hidden_states_mask=mask,
-                temb=temb,
-                image_rotary_emb=rotary,
-                joint_attention_kwargs=extra,
+            x, c = call_double_block(
+                host, block, x, c, rotary, extra, encoder_hidden_states_mask=mask, temb=temb
             )
         if controlnet is not None:
             x = materialize(x) + controlnet[index // math.ceil(len(layers) / len(controlnet))]
