@@ -18,7 +18,7 @@ from torch import nn
 from flux2_fused.integrations.diffusers import enable
 from flux2_fused.ops import bits_equal
 
-from ...conftest import count_block_code
+from ...conftest import compiled_targets, count_block_code
 from . import support
 
 pytest.importorskip("diffusers.models.transformers.transformer_qwenimage")
@@ -187,3 +187,33 @@ def test_a_cache_calls_the_blocks_fused_forward(monkeypatch: pytest.MonkeyPatch)
             handle.disable()
     assert len(bodies) == 1
     assert all(bits_equal(a, b) for a, b in zip(patched, expected, strict=True))
+
+
+@pytest.mark.parametrize("offload_type", ["leaf_level", "block_level"])
+def test_group_offload(offload_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """diffusers' group offloading (CPU to CPU here) wraps what it moves: the block code calls the
+    wrapped Linears and norms as modules, and a block wrapped whole runs its fused forward under the
+    offload hooks."""
+    model = support.transformer()
+    cpu = torch.device("cpu")
+    kwargs = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
+    model.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type=offload_type, **kwargs)
+    assert _compare(model, support.step_inputs(), monkeypatch) == support.TINY["num_layers"]
+
+
+def test_torch_compile_of_the_patched_transformer() -> None:
+    """torch.compile traces the patched forward: the fused sites become flux2_fused operators, and the
+    output is diffusers'."""
+    model = support.transformer()
+    inputs = support.step_inputs()
+    with torch.inference_mode():
+        expected = model(**inputs).sample
+        handle = enable(model)
+        try:
+            compiled, targets = compiled_targets(
+                model, lambda compiled_model: compiled_model(**inputs).sample
+            )
+        finally:
+            handle.disable()
+    assert {torch.ops.flux2_fused.gated_resnorm.default, torch.ops.flux2_fused.gelu_tanh.default} <= targets
+    assert torch.equal(compiled, expected)
