@@ -1,6 +1,6 @@
 """Qwen-Image's pipelines with `enable(pipe)` (tiny components, CPU): text to image with true CFG and a
-padded prompt, and image to image, give diffusers' images bit for bit with every transformer call's
-blocks through the block code."""
+padded prompt, image to image, inpainting and ControlNet give diffusers' images bit for bit with
+every transformer call's blocks through the block code."""
 
 from __future__ import annotations
 
@@ -65,3 +65,41 @@ def test_image_to_image(monkeypatch: pytest.MonkeyPatch) -> None:
     image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     runs = _images_both_ways(pipe, monkeypatch, image=image, strength=0.9, height=32, width=32)
     assert runs > 0
+
+
+def test_inpainting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusers import QwenImageInpaintPipeline
+
+    pipe = support.pipeline(support.transformer(), QwenImageInpaintPipeline)
+    gen = torch.Generator().manual_seed(2)
+    image = torch.rand(1, 3, 32, 32, generator=gen)
+    mask = torch.zeros(1, 1, 32, 32)
+    mask[..., 8:24, 8:24] = 1.0
+    runs = _images_both_ways(
+        pipe, monkeypatch, image=image, mask_image=mask, strength=0.9, height=32, width=32
+    )
+    assert runs > 0
+
+
+def test_controlnet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """QwenImageControlNetPipeline: the ControlNet's residuals reach every transformer block as
+    diffusers adds them (the ControlNet model itself runs as diffusers' own)."""
+    from diffusers import QwenImageControlNetModel, QwenImageControlNetPipeline
+
+    torch.manual_seed(0)
+    controlnet = QwenImageControlNetModel(**{**support.TINY, "num_layers": 1}).eval()
+    base = support.pipeline(support.transformer())
+    pipe = QwenImageControlNetPipeline(
+        scheduler=base.scheduler,
+        vae=base.vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=base.transformer,
+        controlnet=controlnet,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    control = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    runs = _images_both_ways(
+        pipe, monkeypatch, control_image=control, controlnet_conditioning_scale=0.8, height=32, width=32
+    )
+    assert runs == 2 * 2 * support.TINY["num_layers"]
