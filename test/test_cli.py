@@ -443,7 +443,8 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
         (
             ["step", "--config", "tiny"],
             "argument --config/--configs: invalid choice: 'tiny' "
-            "(choose from dev, klein-4b, klein-9b, flux1-dev, flux1-schnell, flux3-klein, flux3-klein-flow)",
+            "(choose from dev, klein-4b, klein-9b, flux1-dev, flux1-schnell, flux3-klein, flux3-klein-flow, "
+            "qwen-image)",
         ),
         (["step", "--configs"], "argument --config/--configs: expected at least one argument"),
         (

@@ -32,6 +32,7 @@ def test_every_registered_class_and_binding_resolves() -> None:
         "flux2_fused.models.flux2.diffusers",
         "flux2_fused.models.flux1.diffusers",
         "flux2_fused.models.flux3.diffusers",
+        "flux2_fused.models.qwenimage.diffusers",
     }
 
 
