@@ -344,9 +344,9 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         choices=HOSTS,
         default="package",
         help="the package's model, or diffusers' Flux2Transformer2DModel with the same weights, eager "
-        "being diffusers' own forward and fused enable(model), or ComfyUI's FLUX model (FLUX.2 sizes; "
-        "its core's folder in FLUX2_FUSED_COMFYUI) with random weights, eager ComfyUI's own forward "
-        "(default: package)",
+        "being diffusers' own forward and fused enable(model), or ComfyUI's FLUX model (FLUX.2 and "
+        "FLUX.1 sizes; its core's folder in FLUX2_FUSED_COMFYUI) with random weights, eager ComfyUI's "
+        "own forward (default: package)",
     )
     parser.add_argument(
         "--lora",
