@@ -159,3 +159,19 @@ def test_a_replaced_kitchen_rope_runs_comfyuis_rotation(monkeypatch: pytest.Monk
         support.inputs(torch.bfloat16, 2, device="cuda"),
         6 * tiny["depth"] + 2 * tiny["depth_single_blocks"] + 1,
     )
+
+
+def test_training_mode_rotates_as_torch_unless_its_rope_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In ComfyUI's training mode its FLUX RoPE is its own torch code (`_apply_rope1`): the prologue
+    rotates as torch's addcmul does, and not at all where a tool replaced that code."""
+    import comfy.ldm.flux.math as flux_math
+    import comfy.model_management
+
+    from flux2_fused.integrations.comfyui.host import rope_rotation
+
+    pe = torch.zeros(1, 1, 3, 64, 2, 2, device="cuda")
+    monkeypatch.setattr(comfy.model_management, "in_training", True)
+    assert rope_rotation(torch.bfloat16, pe) == "addcmul"
+    own = flux_math._apply_rope1
+    monkeypatch.setattr(flux_math, "_apply_rope1", lambda x, freqs: own(x, freqs))
+    assert rope_rotation(torch.bfloat16, pe) is None

@@ -217,3 +217,12 @@ def test_torch_compile_of_the_patched_transformer() -> None:
             handle.disable()
     assert {torch.ops.flux2_fused.gated_resnorm.default, torch.ops.flux2_fused.gelu_tanh.default} <= targets
     assert torch.equal(compiled, expected)
+
+
+def test_fused_projections_run_diffusers_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fuse_projections()` adds fused q/k/v Linears that Qwen's processor never uses (it keeps the
+    separate ones): the blocks then run diffusers' own code, with its bits."""
+    model = support.transformer()
+    for block in model.transformer_blocks:
+        block.attn.fuse_projections()
+    assert _compare(model, support.step_inputs(), monkeypatch) == 0

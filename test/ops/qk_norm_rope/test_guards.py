@@ -476,3 +476,6 @@ def test_declines_modes_the_kernel_has_not(name: str) -> None:
     assert qk_norm_rope.fused(rows, rows, cos, sin, 1e-6, upcast=upcast, rotation=rotation) is None
     with pytest.raises(ValueError, match=f"^{re.escape('flux2-fused: ' + expected)}$"):
         qk_norm_rope.qk_norm_rope(rows, rows, cos, sin, upcast=upcast, rotation=rotation)
+    for guard in (guards.segment_guard, guards.value_guard):
+        with pytest.raises(ValueError, match=f"^{re.escape('flux2-fused: ' + expected)}$"):
+            guard(upcast, rotation)

@@ -24,6 +24,7 @@ of it is plain, so `call` never has to run a view.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import sys
 from collections.abc import Mapping
@@ -115,6 +116,7 @@ def checked_attention() -> bool:
 KITCHEN_VERSIONS = frozenset({"0.2.26"})
 
 
+@functools.cache
 def _kitchen_version() -> str | None:
     try:
         return importlib.metadata.version("comfy-kitchen")
@@ -134,8 +136,12 @@ def rope_rotation(dtype: torch.dtype, pe: torch.Tensor) -> str | None:
     if dtype not in (torch.bfloat16, torch.float16) or not flux_math_unpatched():
         return None
     management, quant_ops = sys.modules.get("comfy.model_management"), sys.modules.get("comfy.quant_ops")
-    if getattr(management, "in_training", False):
-        return "addcmul"  # `comfy.ldm.flux.math._apply_rope`: torch
+    if getattr(management, "in_training", False):  # `comfy.ldm.flux.math._apply_rope`: torch
+        math = sys.modules[FLUX_MATH]
+        own = _functions_own(
+            tuple((fn, FLUX_MATH) for fn in (math._apply_rope, math.apply_rope1, math._apply_rope1))
+        )
+        return "addcmul" if own else None
     kitchen = getattr(quant_ops, "ck", None)
     if kitchen is None or not _functions_own(((kitchen.apply_rope, "comfy_kitchen"),)):
         return None  # no comfy-kitchen (ComfyUI's RoPE would fail), or its apply_rope replaced

@@ -48,10 +48,13 @@ def modulation_plain(host: Host, mod: nn.Module) -> bool:
 
 def parts_plain(host: Host, block: nn.Module) -> bool:
     """The block code may compute the block's parts: its two modulations and four affine-free
-    LayerNorms plain, and no zero-timestep conditioning (`zero_cond_t`, the edit models' per-token
-    modulation). The block itself aside: its fused forward runs under whatever wraps it (a cache)."""
+    LayerNorms plain, no zero-timestep conditioning (`zero_cond_t`, the edit models' per-token
+    modulation) and no fused projections (`fuse_projections()` adds them, but Qwen's processor keeps
+    computing q, k, v with the separate Linears, other GEMMs). The block itself aside: its fused
+    forward runs under whatever wraps it (a cache)."""
     return (
         not block.zero_cond_t
+        and not getattr(block.attn, "fused_projections", False)  # Qwen's processor never uses them
         and modulation_plain(host, block.img_mod)
         and modulation_plain(host, block.txt_mod)
         and layer_norms_plain(host, block, NORMS)

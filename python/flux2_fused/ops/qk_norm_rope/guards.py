@@ -126,14 +126,22 @@ def mode_reason(upcast: Any, rotation: Any) -> str | None:
     return None
 
 
+def _mode_guards_of(upcast: bool, rotation: str) -> tuple[Guard, Guard]:
+    reason = mode_reason(upcast, rotation)
+    if reason is not None:
+        raise ValueError(f"flux2-fused: {reason}")
+    return _GUARDS[bool(upcast), rotation]
+
+
 def segment_guard(upcast: bool = False, rotation: str = "aten") -> Guard:
-    """The guard of one q or k segment in this mode (`mode_reason` None)."""
-    return _GUARDS[bool(upcast), rotation][0]
+    """The guard of one q or k segment in this mode; ValueError for a mode the kernel has not."""
+    return _mode_guards_of(upcast, rotation)[0]
 
 
 def value_guard(upcast: bool = False, rotation: str = "aten") -> Guard:
-    """The guard of one v segment in this mode (the same checks; the self-check of the mode)."""
-    return _GUARDS[bool(upcast), rotation][1]
+    """The guard of one v segment in this mode (the same checks; the self-check of the mode);
+    ValueError for a mode the kernel has not."""
+    return _mode_guards_of(upcast, rotation)[1]
 
 
 def segment_decline_reason(
