@@ -444,7 +444,7 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
             ["step", "--config", "tiny"],
             "argument --config/--configs: invalid choice: 'tiny' "
             "(choose from dev, klein-4b, klein-9b, flux1-dev, flux1-schnell, flux3-klein, flux3-klein-flow, "
-            "qwen-image)",
+            "qwen-image, z-image-turbo)",
         ),
         (["step", "--configs"], "argument --config/--configs: expected at least one argument"),
         (
@@ -1038,12 +1038,12 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         (
             ["kernel", "--op", "qk_norm_rope", "--shapes", "24x4608:double"],
             None,
-            "--op qk_norm_rope takes HxT, HxT:single or HxT:upcast",
+            "--op qk_norm_rope takes HxT, HxT:single, HxT:upcast or HxT:qwen",
         ),
         (
             ["kernel", "--op", "qk_norm_rope", "--shapes", "24x4608:twin"],
             None,
-            "--shapes '24x4608:twin': --op qk_norm_rope takes HxT, HxT:single or HxT:upcast",
+            "--shapes '24x4608:twin': --op qk_norm_rope takes HxT, HxT:single, HxT:upcast or HxT:qwen",
         ),
         (["kernel", "--op", "swiglu", "--shapes", "big"], None, "--shapes 'big': --op swiglu takes HxT"),
         (["kernel", "--batch", "0"], None, "--batch must be at least 1, got 0"),

@@ -22,6 +22,7 @@ from flux2_fused.errors import BadValue
         ("gated_resnorm", "3072x4608:twin", (3072, 4608, "twin")),
         ("qk_norm_rope", "24x4608:single", (24, 4608, "single")),
         ("qk_norm_rope", "24x4096:upcast", (24, 4096, "upcast")),
+        ("qk_norm_rope", "24x4608:qwen", (24, 4608, "qwen")),
     ],
 )
 def test_each_ops_layouts_parse(op: str, item: str, parsed: tuple[int, int, str]) -> None:

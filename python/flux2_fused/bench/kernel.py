@@ -19,7 +19,8 @@ Sites (`--op`), the floors' bytes counted for bf16:
   projection (q, k, v and the MLP part, klein's proportions) in, joint q and k out (v is read by
   attention in place); the floor moves 8 bytes an element of q. HxT:upcast is FLUX.3's prologue:
   q and k of T rows in, the norm (a float32 weight) and RoPE in fp32, one rounding at the end, q and
-  k out (8 bytes an element of q).
+  k out (8 bytes an element of q). HxT:qwen is Qwen-Image's double block prologue: the double
+  block's rows and bytes, with diffusers' `RMSNorm` modules (pow/mean) and the complex rotation.
 - swiglu, shapes HxT: one feed-forward activation, the [B, T, 2H] projection in, [B, T, H] out; the
   floor moves 6 bytes an output element.
 - gelu_tanh, shapes HxT: one FLUX.1 MLP activation (`gelu(approximate="tanh")`), [B, T, H] in and
@@ -80,6 +81,8 @@ DEFAULT_SHAPES = {
         "24x512:upcast",
         "24x4096:upcast",
         "24x4608:upcast",
+        # Qwen-Image at 1024x1024: its 60 double blocks' prologue (512 text + 4096 image rows).
+        "24x4608:qwen",
     ],
     "swiglu": ["9216x4608", "18432x4608", "9216x512", "18432x4096"],
     # FLUX.1-dev's MLP (3072 x 4): the single block's joint rows, the image rows, the text rows.
@@ -88,13 +91,13 @@ DEFAULT_SHAPES = {
 # What a --shapes item of each op looks like, and the layouts after its colon ("" for none).
 SHAPE_FORMS = {
     "gated_resnorm": "DxT, DxT:token, DxT:update2 or DxT:twin (hidden x tokens, e.g. 6144x4608)",
-    "qk_norm_rope": "HxT, HxT:single or HxT:upcast (heads x joint tokens, e.g. 24x4608)",
+    "qk_norm_rope": "HxT, HxT:single, HxT:upcast or HxT:qwen (heads x joint tokens, e.g. 24x4608)",
     "swiglu": "HxT (hidden x tokens, e.g. 9216x4608)",
     "gelu_tanh": "HxT (hidden x tokens, e.g. 12288x4608)",
 }
 LAYOUTS = {
     "gated_resnorm": ("", "token", "update2", "twin"),
-    "qk_norm_rope": ("", "single", "upcast"),
+    "qk_norm_rope": ("", "single", "upcast", "qwen"),
     "swiglu": ("",),
     "gelu_tanh": ("",),
 }
@@ -200,13 +203,21 @@ def qk_norm_rope_case(heads: int, tokens: int, batch: int, dtype: torch.dtype, l
     """A double block's prologue: q, k, v of text (512 rows) and image rows, four RMSNorm weights; or
     (layout "single") a single block's: q and k chunks of one wide projection, two weights; or
     (layout "upcast") FLUX.3's: q and k of one projection each, two float32 weights, norm and RoPE in
-    fp32 (v, attention's as the projection gave it, not part of the site)."""
+    fp32 (v, attention's as the projection gave it, not part of the site); or (layout "qwen")
+    Qwen-Image's: a double block's rows with diffusers' RMSNorm and the complex rotation."""
     _check_layout("qk_norm_rope", layout)
-    single, upcast = layout == "single", layout == "upcast"
-    txt = 0 if layout else min(TEXT_TOKENS, tokens - 1)
-    sizes = (tokens,) if layout else (txt, tokens - txt)
+    single, upcast, double = layout == "single", layout == "upcast", layout in ("", "qwen")
+    mode = {"upcast": upcast, **({"rotation": "complex", "norm": "mean"} if layout == "qwen" else {})}
+    txt = min(TEXT_TOKENS, tokens - 1) if double else 0
+    sizes = (txt, tokens - txt) if double else (tokens,)
     width = heads * HEAD_DIM
-    cos, sin = rope_tables(tokens, torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if layout == "qwen":
+        angles = torch.rand(tokens, HEAD_DIM // 2, device="cuda", generator=gen, dtype=torch.float64) * 4096
+        freqs = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+        cos, sin = qk_norm_rope.reference.complex_tables(freqs)
+    else:
+        cos, sin = rope_tables(tokens, torch.device("cuda"), gen)
     weight_dtype = torch.float32 if upcast else dtype
 
     def weights() -> list[torch.Tensor]:
@@ -230,20 +241,20 @@ def qk_norm_rope_case(heads: int, tokens: int, batch: int, dtype: torch.dtype, l
         q_rows = [segment(x, w) for x, w in zip(q, q_weights, strict=True)]
         return q_rows, [segment(x, w) for x, w in zip(k, k_weights, strict=True)], v
 
-    outputs = 2 if layout else 3  # q, k, and a double block's joint v
+    outputs = 3 if double else 2  # q, k, and a double block's joint v
 
     def eager(*args: object) -> tuple:
         q, k, v = segments(args)
-        return qk_norm_rope.reference.prologue(q, k, cos, sin, EPS, v, upcast=upcast)[:outputs]
+        return qk_norm_rope.reference.prologue(q, k, cos, sin, EPS, v, **mode)[:outputs]
 
     def fused(*args: object) -> tuple:
         q, k, v = segments(args)
-        return qk_norm_rope.qk_norm_rope(q, k, cos, sin, EPS, v, upcast=upcast)[:outputs]
+        return qk_norm_rope.qk_norm_rope(q, k, cos, sin, EPS, v, **mode)[:outputs]
 
-    floor_bytes = (4 if layout else 6) * batch * tokens * width * dtype.itemsize
+    floor_bytes = (6 if double else 4) * batch * tokens * width * dtype.itemsize
     sets = _sets(make, floor_bytes)
     q, k, v = segments(sets[0])
-    if qk_norm_rope.decline_reason(q, k, cos, sin, v, upcast=upcast) is not None:
+    if qk_norm_rope.decline_reason(q, k, cos, sin, v, **mode) is not None:
         raise RuntimeError(f"fused path declined H={heads} T={tokens} {layout or 'double'}")
     return Case(sets, eager, fused, floor_bytes, width, f"qk_norm_rope {layout}".strip())
 

@@ -182,8 +182,8 @@ PX_PER_TOKEN = 16  # the VAE downsamples 8x and FLUX.2 packs 2x2 latent pixels i
 GPU_SIDE, CPU_SIDE = 1024, 256  # default image side in pixels
 DEFAULT_STEPS = 4
 DEFAULT_TEXT_TOKENS = 512
-# `flux2-fused step` (and, FLUX's, `pipeline`); FLUX.1, FLUX.3 and Qwen-Image run on `--host diffusers`
-# only.
+# `flux2-fused step` (and, FLUX's, `pipeline`); FLUX.1, FLUX.3, Qwen-Image and Z-Image run on
+# `--host diffusers` only.
 STEP_CONFIGS = (
     "dev",
     "klein-4b",
@@ -193,10 +193,11 @@ STEP_CONFIGS = (
     "flux3-klein",
     "flux3-klein-flow",
     "qwen-image",
+    "z-image-turbo",
 )
 # The families without a model of the package's own (diffusers' transformer is their one host), by
 # the prefix of their config names.
-DIFFUSERS_ONLY = {"flux1-": "FLUX.1", "flux3-": "FLUX.3", "qwen-": "Qwen-Image"}
+DIFFUSERS_ONLY = {"flux1-": "FLUX.1", "flux3-": "FLUX.3", "qwen-": "Qwen-Image", "z-image-": "Z-Image"}
 
 
 def diffusers_only(name: str) -> str | None:
@@ -413,7 +414,8 @@ def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
         help="gated_resnorm: DxT items, e.g. 6144x4608, FLUX.3's sites DxT:token (per-token modulation), "
         "DxT:update2 (and a two-term update), DxT:twin (its twin norms, the first 512 tokens text); "
         "qk_norm_rope: HxT (heads x joint tokens) for a double block's prologue, e.g. 24x4608, HxT:single "
-        "for a single block's, HxT:upcast for FLUX.3's fp32 one; swiglu, gelu_tanh: HxT (hidden x tokens) "
+        "for a single block's, HxT:upcast for FLUX.3's fp32 one, HxT:qwen for Qwen-Image's; swiglu, "
+        "gelu_tanh: HxT (hidden x tokens) "
         "(default: the op's headline shapes, FLUX.2's and FLUX.3's)",
     )
     parser.add_argument(

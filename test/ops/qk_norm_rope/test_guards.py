@@ -392,24 +392,32 @@ def test_each_mode_asks_its_own_self_check(monkeypatch: pytest.MonkeyPatch) -> N
         == "self-check failed: head_dim=128 bfloat16 addcmul"
     )
     assert guards.upcast_value.runtime(_x()) == "self-check failed: head_dim=128 bfloat16 upcast"
+    assert (
+        guards.segment_guard(False, "complex", "mean").runtime(_x())
+        == "self-check failed: head_dim=128 bfloat16 complex mean norm"
+    )
     assert sorted(str(key[2]) for key in runtime._records) == [
         "head_dim=128 bfloat16",
         "head_dim=128 bfloat16 addcmul",
+        "head_dim=128 bfloat16 complex mean norm",
         "head_dim=128 bfloat16 kitchen",
         "head_dim=128 bfloat16 upcast",
     ]
 
 
 def test_verify_covers_every_mode() -> None:
-    """`flux2-fused verify` checks FLUX.2's mode, FLUX.3's and ComfyUI's two rotations, in bf16 and fp16."""
-    modes = ((False, "aten"), (True, "aten"), (False, "addcmul"), (False, "kitchen"))
+    """`flux2-fused verify` checks FLUX.2's mode, FLUX.3's, ComfyUI's two rotations and Qwen-Image's
+    (diffusers' RMSNorm with the complex rotation), in bf16 and fp16."""
     assert set(OP.verify_configs) == {
-        Config(dtype, upcast, rotation)
-        for dtype in (torch.bfloat16, torch.float16)
-        for upcast, rotation in modes
+        Config(dtype, *mode) for dtype in (torch.bfloat16, torch.float16) for mode in guards.MODES
     }
+    assert len(guards.MODES) == 5
     assert str(Config(torch.float16, upcast=True)) == "head_dim=128 float16 upcast"
     assert str(Config(torch.float16, rotation="kitchen")) == "head_dim=128 float16 kitchen"
+    assert (
+        str(Config(torch.float16, rotation="complex", norm="mean"))
+        == "head_dim=128 float16 complex mean norm"
+    )
 
 
 @pytest.mark.parametrize("two", [False, True])
@@ -456,11 +464,44 @@ def test_accepts_comfyui_tables(rotation: str) -> None:
     )
 
 
+@pytest.mark.usefixtures("accept_runtime")
+def test_accepts_qwen_and_z_image_layouts() -> None:
+    """diffusers' RMSNorm with the complex rotation takes Qwen-Image's double block (text and image
+    segments with v, one [S, 128] table) and Z-Image's single stream (one segment, a table a batch
+    row); its weight has x's dtype, as FLUX.2's does."""
+    mode = {"rotation": "complex", "norm": "mean"}
+    weight = _args()[1]
+    rows = [Segment(_x(2), weight), Segment(_x(), weight)]
+    table = _table(S + 2)
+    assert decline_reason(rows, rows, table, table, [_x(2), _x()], **mode) is None
+    batched = as_cuda(torch.zeros(B, S, HEAD_DIM))
+    assert decline_reason(rows[1:], rows[1:], batched, batched, **mode) is None
+    assert segment_decline_reason(*_args(weight=as_cuda(torch.zeros(HEAD_DIM))), **mode) == (
+        "weight is torch.float32, x is torch.bfloat16 (eager would promote)"
+    )
+
+
 MODE_CASES = {
-    "unknown rotation": ((False, "rope"), "rotation 'rope' is not one of ('aten', 'addcmul', 'kitchen')"),
+    "unknown rotation": (
+        (False, "rope", "fused"),
+        "rotation 'rope' is not one of ('aten', 'addcmul', 'kitchen', 'complex')",
+    ),
+    "unknown norm": ((False, "aten", "layer"), "norm 'layer' is not one of ('fused', 'mean')"),
     "upcast with ComfyUI's rotation": (
-        (True, "kitchen"),
-        "the upcast mode rotates as diffusers does (rotation 'aten')",
+        (True, "kitchen", "fused"),
+        "the upcast mode rotates and normalizes as FLUX.3 does (rotation 'aten', norm 'fused')",
+    ),
+    "upcast with diffusers' RMSNorm": (
+        (True, "complex", "mean"),
+        "the upcast mode rotates and normalizes as FLUX.3 does (rotation 'aten', norm 'fused')",
+    ),
+    "diffusers' RMSNorm with FLUX's rotation": (
+        (False, "aten", "mean"),
+        "diffusers' RMSNorm ('mean') is fused with the complex rotation only, and it with that norm",
+    ),
+    "the complex rotation with aten's RMSNorm": (
+        (False, "complex", "fused"),
+        "diffusers' RMSNorm ('mean') is fused with the complex rotation only, and it with that norm",
     ),
 }
 
@@ -468,14 +509,15 @@ MODE_CASES = {
 @pytest.mark.parametrize("name", MODE_CASES)
 @pytest.mark.usefixtures("accept_runtime")
 def test_declines_modes_the_kernel_has_not(name: str) -> None:
-    (upcast, rotation), expected = MODE_CASES[name]
+    (upcast, rotation, norm), expected = MODE_CASES[name]
+    mode = {"upcast": upcast, "rotation": rotation, "norm": norm}
     weight = as_cuda(torch.zeros(HEAD_DIM, dtype=F32 if upcast else BF16))
     rows, cos, sin = [Segment(_x(), weight)], _table(), _table()
-    assert decline_reason(rows, rows, cos, sin, upcast=upcast, rotation=rotation) == expected
-    assert segment_decline_reason(rows[0].x, weight, cos, sin, upcast=upcast, rotation=rotation) == expected
-    assert qk_norm_rope.fused(rows, rows, cos, sin, 1e-6, upcast=upcast, rotation=rotation) is None
+    assert decline_reason(rows, rows, cos, sin, **mode) == expected
+    assert segment_decline_reason(rows[0].x, weight, cos, sin, **mode) == expected
+    assert qk_norm_rope.fused(rows, rows, cos, sin, 1e-6, **mode) is None
     with pytest.raises(ValueError, match=f"^{re.escape('flux2-fused: ' + expected)}$"):
-        qk_norm_rope.qk_norm_rope(rows, rows, cos, sin, upcast=upcast, rotation=rotation)
+        qk_norm_rope.qk_norm_rope(rows, rows, cos, sin, **mode)
     for guard in (guards.segment_guard, guards.value_guard):
         with pytest.raises(ValueError, match=f"^{re.escape('flux2-fused: ' + expected)}$"):
-            guard(upcast, rotation)
+            guard(upcast, rotation, norm)

@@ -422,3 +422,142 @@ def test_comfyui_rotation_self_checks(rotation, gen):
     records = {key[:3]: record for key, record in self_check_records().items()}
     assert records[("qk_norm_rope", "cuda:0", f"head_dim=128 bfloat16 {rotation}")].passed
     assert fused(q, k, cos, sin, 1e-6, v, rotation=rotation) is not None
+
+
+# Qwen-Image's and Z-Image's prologue: diffusers' `RMSNorm` module ("mean") with the complex rotation,
+# on complex frequencies laid out as tables by `reference.complex_tables`.
+QWEN = {"rotation": "complex", "norm": "mean"}
+
+
+def _complex_tables(*shape: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unit frequencies of random angles [..., S, 64] (as `torch.polar` builds them) as tables."""
+    angles = torch.rand(*shape, HEAD_DIM // 2, generator=gen, device="cuda", dtype=torch.float64) * 4000
+    return reference.complex_tables(torch.polar(torch.ones_like(angles), angles).to(torch.complex64))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("heads", [3, 24])
+@pytest.mark.parametrize(("txt", "img"), [(1, 7), (77, 513), (512, 4096)])
+def test_qwen_double_block_bit_exact(txt, img, heads, batch, dtype, gen):
+    """Qwen-Image's double block: text and image segments of q, k, v, one table for the joint rows."""
+    q, k, v = _double_block((txt, img), heads, batch, dtype, gen)
+    cos, sin = _complex_tables(txt + img, gen=gen)
+    assert decline_reason(q, k, cos, sin, v, **QWEN) is None
+    _assert_equal(
+        qk_norm_rope(q, k, cos, sin, v=v, **QWEN), reference.prologue(q, k, cos, sin, 1e-6, v, **QWEN)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 33, 4096 + 7])
+def test_z_image_single_stream_bit_exact(tokens, dtype, gen):
+    """Z-Image's single stream: one segment of q and k, a table a batch row, no v."""
+    q, k = ([Segment(_heads(2, tokens, 30, dtype, gen, width=3), _weight(dtype, gen))] for _ in "qk")
+    cos, sin = _complex_tables(2, tokens, gen=gen)
+    _assert_equal(
+        qk_norm_rope(q, k, cos, sin, 1e-5, **QWEN), reference.prologue(q, k, cos, sin, 1e-5, **QWEN)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qwen_random_bit_patterns(dtype, gen):
+    """Any rows and weights, finite tables of any exponent (subnormal entries included), each
+    frequency repeated for its pair: the kernel is diffusers' pow/mean norm and the complex product."""
+    for _ in range(4):
+        q, k, v = ([random_bits((2, n, 5, HEAD_DIM), dtype, gen) for n in (31, 70)] for _ in range(3))
+        q = [Segment(x, random_bits((HEAD_DIM,), dtype, gen)) for x in q]
+        k = [Segment(x, random_bits((HEAD_DIM,), dtype, gen)) for x in k]
+        finite = torch.rand(101, HEAD_DIM // 2, generator=gen, device="cuda") * 2 - 1
+        exponents = torch.randint(-150, 60, finite.shape, generator=gen, device="cuda").float()
+        cos = torch.ldexp(finite, exponents).repeat_interleave(2, dim=1)
+        sin = torch.ldexp(finite.flip(0), exponents).repeat_interleave(2, dim=1)
+        _assert_equal(
+            qk_norm_rope(q, k, cos, sin, v=v, **QWEN), reference.prologue(q, k, cos, sin, 1e-6, v, **QWEN)
+        )
+
+
+def test_mean_norm_subnormal_squares_and_rounding(gen):
+    """Heads of ~1e-21 have subnormal squares, where RN(x^2) summed and fma(x, x, s) differ; the mean
+    norm must follow diffusers' module, and differ from aten's fused norm somewhere on ordinary rows
+    (its product with r is rounded to bf16 before the weight)."""
+    tiny = (torch.randn(1, 64, 4, HEAD_DIM, generator=gen, device="cuda") * 1e-21).to(torch.bfloat16)
+    rows = (
+        [Segment(tiny, _weight(torch.bfloat16, gen))],
+        [Segment(tiny.flip(1), _weight(torch.bfloat16, gen))],
+    )
+    cos, sin = _complex_tables(64, gen=gen)
+    _assert_equal(
+        qk_norm_rope(*rows, cos, sin, 1e-45, **QWEN), reference.prologue(*rows, cos, sin, 1e-45, **QWEN)
+    )
+    q, k, _ = _double_block((64, 300), 4, 1, torch.bfloat16, gen)
+    cos, sin = _complex_tables(364, gen=gen)
+    mean = qk_norm_rope(q, k, cos, sin, **QWEN)[0]
+    assert bits_equal(mean, reference.prologue(q, k, cos, sin, 1e-6, **QWEN)[0])
+    aten = reference.rope(
+        torch.cat([reference.rms_norm(s.x, s.weight, 1e-6) for s in q], dim=1), cos, sin, "complex"
+    )
+    assert not bits_equal(mean, aten)
+
+
+def test_qwen_equals_diffusers_attention_processor(monkeypatch, gen):
+    """diffusers' own Qwen-Image attention on the GPU: the joint q, k and v its processor hands to
+    attention are the kernel's, bit for bit."""
+    qwen = pytest.importorskip("diffusers.models.transformers.transformer_qwenimage")
+    heads, txt, img = 24, 512, 4096
+    block = qwen.QwenImageTransformerBlock(
+        dim=heads * HEAD_DIM, num_attention_heads=heads, attention_head_dim=HEAD_DIM
+    )
+    attn = block.attn.to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for norm in (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k):
+            norm.weight.copy_(_weight(torch.bfloat16, gen))
+    seen = {}
+
+    def attention(query, key, value, **_):
+        seen.update(query=query, key=key, value=value)
+        return torch.zeros_like(value)
+
+    monkeypatch.setattr(qwen, "dispatch_attention_fn", attention)
+    embed = qwen.QwenEmbedRope(theta=10000, axes_dim=[16, 56, 56], scale_rope=True)
+    img_freqs, txt_freqs = embed([(1, 64, 64)], max_txt_seq_len=txt, device=torch.device("cuda"))
+    x = torch.randn(1, img, heads * HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+    c = torch.randn(1, txt, heads * HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        attn(hidden_states=x, encoder_hidden_states=c, image_rotary_emb=(img_freqs, txt_freqs))
+        parts = [
+            (proj(rows).unflatten(-1, (heads, -1)), norm)
+            for rows, proj, norm in (
+                (c, attn.add_q_proj, attn.norm_added_q),
+                (x, attn.to_q, attn.norm_q),
+                (c, attn.add_k_proj, attn.norm_added_k),
+                (x, attn.to_k, attn.norm_k),
+            )
+        ]
+        v = [attn.add_v_proj(c).unflatten(-1, (heads, -1)), attn.to_v(x).unflatten(-1, (heads, -1))]
+        q, k = ([Segment(rows, norm.weight) for rows, norm in parts[i : i + 2]] for i in (0, 2))
+        cos, sin = reference.complex_tables(torch.cat([txt_freqs, img_freqs]))
+        got = qk_norm_rope(q, k, cos, sin, attn.norm_q.eps, v, **QWEN)
+    for name, a in zip(("query", "key", "value"), got, strict=True):
+        assert torch.equal(a, seen[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qwen_self_check_verdict_and_fallback(dtype, gen):
+    """The mode has its own verdict per dtype (then `fused` launches); a table that is not a contiguous
+    float32 [S, 128] declines and `apply` runs the eager chain."""
+    q, k, v = _double_block((7, 29), 3, 2, dtype, gen)
+    cos, sin = _complex_tables(36, gen=gen)
+    assert guards.segment_guard(False, "complex", "mean")(q[0].x, q[0].weight, cos, sin)
+    name = str(dtype).removeprefix("torch.")
+    records = {key[:3]: record for key, record in self_check_records().items()}
+    assert records[("qk_norm_rope", "cuda:0", f"head_dim=128 {name} complex mean norm")].passed
+    assert fused(q, k, cos, sin, 1e-6, v, **QWEN) is not None
+    passed, detail = OP.self_check(torch.device("cuda"), Config(dtype, **QWEN))
+    assert passed, detail
+    assert fused(q, k, cos.half(), sin, 1e-6, v, **QWEN) is None
+    strided = torch.empty(36, 2 * HEAD_DIM, device="cuda")[:, ::2]
+    strided.copy_(cos)
+    assert fused(q, k, strided, sin, 1e-6, v, **QWEN) is None
+    expected = reference.prologue(q, k, cos, sin, 1e-6, v, **QWEN)
+    _assert_equal(apply(q, k, strided, sin, 1e-6, v, **QWEN), expected)

@@ -207,3 +207,65 @@ def test_kitchen_rotation_flushes_subnormals() -> None:
     assert reference.rope(x, cos, sin, "kitchen")[..., 0].item() == 0
     with pytest.raises(ValueError, match="rotation 'rope' is not one of"):
         reference.rope(x, cos, sin, "rope")
+
+
+def _complex_freqs(*shape: int) -> torch.Tensor:
+    """Unit complex frequencies as Qwen-Image's and Z-Image's embedders build them (`torch.polar`)."""
+    angles = torch.rand(*shape, dtype=torch.float64) * 1000
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mean_norm_is_diffusers_rmsnorm(dtype: torch.dtype) -> None:
+    """The "mean" norm is diffusers' own `RMSNorm` module (pow/mean, rounded to the weight's dtype,
+    then the weight), bit for bit; it differs from aten's fused `rms_norm` on some rows."""
+    normalization = pytest.importorskip("diffusers.models.normalization")
+    norm = normalization.RMSNorm(HEAD_DIM, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(3, 17, 4, HEAD_DIM) * torch.logspace(-3, 3, 17)[None, :, None, None]).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(reference.rms_norm(x, norm.weight, 1e-6, "mean"), norm(x))
+        if dtype != torch.float32:
+            assert not torch.equal(reference.rms_norm(x, norm.weight, 1e-6), norm(x))
+    with pytest.raises(ValueError, match="norm 'layer' is not one of"):
+        reference.rms_norm(x, norm.weight, 1e-6, "layer")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen_prologue_is_diffusers_chain(dtype: torch.dtype) -> None:
+    """Qwen-Image's double block: each stream's q through its diffusers `RMSNorm`, rotated by its own
+    complex frequencies with `apply_rotary_emb_qwen`, joined text first: the "mean" norm with the
+    "complex" rotation over the joint tables `complex_tables` builds, bit for bit."""
+    qwen = pytest.importorskip("diffusers.models.transformers.transformer_qwenimage")
+    normalization = pytest.importorskip("diffusers.models.normalization")
+    heads, txt, img = 3, 5, 9
+    norms = [normalization.RMSNorm(HEAD_DIM, eps=1e-6).to(dtype) for _ in range(2)]
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.normal_()
+    q_txt, q_img = (torch.randn(2, n, heads, HEAD_DIM).to(dtype) for n in (txt, img))
+    txt_freqs, img_freqs = _complex_freqs(txt, HEAD_DIM // 2), _complex_freqs(img, HEAD_DIM // 2)
+    with torch.no_grad():
+        expected = torch.cat(
+            [
+                qwen.apply_rotary_emb_qwen(norms[0](q_txt), txt_freqs, use_real=False),
+                qwen.apply_rotary_emb_qwen(norms[1](q_img), img_freqs, use_real=False),
+            ],
+            dim=1,
+        )
+        cos, sin = reference.complex_tables(torch.cat([txt_freqs, img_freqs]))
+        rows = [Segment(q_txt, norms[0].weight), Segment(q_img, norms[1].weight)]
+        got = reference.qk_norm_rope(rows, cos, sin, 1e-6, rotation="complex", norm="mean")
+    assert cos.shape == (txt + img, HEAD_DIM) and cos.is_contiguous() and sin.is_contiguous()
+    assert torch.equal(got, expected)
+
+
+def test_complex_rotation_takes_a_table_a_batch_row() -> None:
+    """Z-Image's frequencies come one a batch row ([B, S, hd/2]): its `view_as_complex` product with
+    them, op for op."""
+    x = torch.randn(2, 7, 3, HEAD_DIM).to(torch.bfloat16)
+    freqs = _complex_freqs(2, 7, HEAD_DIM // 2)
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    expected = torch.view_as_real(pairs * freqs.unsqueeze(2)).flatten(3).type_as(x)
+    assert torch.equal(reference.rope(x, *reference.complex_tables(freqs), "complex"), expected)

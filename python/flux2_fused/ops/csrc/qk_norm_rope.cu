@@ -3,8 +3,11 @@
 // may run; the checks here only stop a misuse from touching the wrong memory. A single-segment call
 // passes None for the second segment, a call without v (the single block's) None for v; `upcast`
 // picks FLUX.3's mode (float32 weights, the norm's output kept in fp32) over FLUX.2's (weights of x's
-// dtype), and `rotation` the host's RoPE arithmetic (0 aten, 1 addcmul, 2 kitchen; FLUX.2's mode
-// only), one instantiation of the kernel each. The RoPE tables are [S, 128] or one a batch, [B, S, 128].
+// dtype), `rotation` the host's RoPE arithmetic (0 aten, 1 addcmul, 2 kitchen, 3 complex) and `norm`
+// its q/k norm (0 aten's fused RMSNorm, 1 diffusers' pow/mean module), one instantiation of the kernel
+// for each mode: FLUX.2's norm with the first three rotations, the upcast mode with aten's, diffusers'
+// norm with the complex rotation (Qwen-Image's, Z-Image's). The RoPE tables are [S, 128] or one a
+// batch, [B, S, 128].
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/extra/cuda/device_guard.h>
@@ -57,7 +60,7 @@ void check_out(const TensorView& out, const TensorView& like, DLDevice dev) {
   check_device(out, dev);
 }
 
-template <typename T, bool kUpcast, int kRotation>
+template <typename T, bool kUpcast, int kRotation, int kNorm>
 void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorView q0, TensorView k0,
          Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
          Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1, Optional<TensorView> wk1,
@@ -126,7 +129,7 @@ void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorV
   TVM_FFI_ICHECK(blocks < (int64_t{1} << 31)) << "too many tokens for one launch";
   tvm::ffi::CUDADeviceGuard device_guard(dev.device_id);
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
-  qk_norm_rope_kernel<T, kUpcast, kRotation><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  qk_norm_rope_kernel<T, kUpcast, kRotation, kNorm><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
   const cudaError_t err = cudaGetLastError();
   TVM_FFI_ICHECK(err == cudaSuccess) << "qk_norm_rope launch failed: " << cudaGetErrorString(err);
 }
@@ -136,34 +139,44 @@ void run_mode(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, Te
               Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
               Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1,
               Optional<TensorView> wk1, TensorView cos, TensorView sin, double eps, bool upcast,
-              int64_t rotation) {
-  TVM_FFI_ICHECK(rotation >= kAten && rotation <= kKitchen && (!upcast || rotation == kAten))
-      << "rotation must be 0, 1 or 2, and 0 in the upcast mode";
+              int64_t rotation, int64_t norm) {
+  TVM_FFI_ICHECK(rotation >= kAten && rotation <= kComplex && (norm == kFusedNorm || norm == kMeanNorm) &&
+                 (!upcast || (rotation == kAten && norm == kFusedNorm)) &&
+                 ((norm == kMeanNorm) == (rotation == kComplex)))
+      << "the modes are: rotation 0, 1 or 2 with norm 0; the upcast mode with rotation 0 and norm 0; "
+         "rotation 3 with norm 1";
   if (upcast) {
-    run<T, true, kAten>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
+    run<T, true, kAten, kFusedNorm>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin,
+                                    eps);
   } else if (rotation == kAten) {
-    run<T, false, kAten>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
+    run<T, false, kAten, kFusedNorm>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin,
+                                     eps);
   } else if (rotation == kAddcmul) {
-    run<T, false, kAddcmul>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
+    run<T, false, kAddcmul, kFusedNorm>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos,
+                                        sin, eps);
+  } else if (rotation == kKitchen) {
+    run<T, false, kKitchen, kFusedNorm>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos,
+                                        sin, eps);
   } else {
-    run<T, false, kKitchen>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps);
+    run<T, false, kComplex, kMeanNorm>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos,
+                                       sin, eps);
   }
 }
 
 // Outputs first (v's absent in a single block), then segment 0's q, k, v and weights, segment 1's
-// (absent with one segment), the tables, eps, the mode and the rotation.
+// (absent with one segment), the tables, eps, the mode, the rotation and the norm.
 void qk_norm_rope(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorView q0, TensorView k0,
                   Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
                   Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1,
                   Optional<TensorView> wk1, TensorView cos, TensorView sin, double eps, bool upcast,
-                  int64_t rotation) {
+                  int64_t rotation, int64_t norm) {
   const DLDataType dt = q_out.dtype();
   if (dt.code == kDLBfloat && dt.bits == 16) {
     run_mode<__nv_bfloat16>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps,
-                            upcast, rotation);
+                            upcast, rotation, norm);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
     run_mode<__half>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps, upcast,
-                     rotation);
+                     rotation, norm);
   } else {
     TVM_FFI_THROW(TypeError) << "qk_norm_rope supports bfloat16 and float16 only";
   }

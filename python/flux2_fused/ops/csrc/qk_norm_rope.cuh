@@ -18,6 +18,16 @@
 //   kKitchen (comfy-kitchen's CUDA kernel, built with fast math): out = fma.ftz(f00, y_2i,
 //            mul.ftz(f01, y_2i+1)): subnormal inputs and results flushed to signed zero.
 // Both are written with the PTX instructions of that arithmetic; docs/numerics.md (12) derives them.
+//   kComplex (Qwen-Image's and Z-Image's `view_as_complex(x.float()) * freqs`, c10::complex's product
+//            as nvcc contracts it): out_2i = fma(y_2i, c, -RN(y_2i+1 * s)), out_2i+1 = fma(y_2i, s,
+//            RN(y_2i+1 * c)), with (c, s) = (cos_2i, sin_2i), the frequency's real and imaginary parts.
+//
+// The norm is the host's too (kNorm): aten's fused RMSNorm above (kFusedNorm), or diffusers' own
+// `RMSNorm` module (kMeanNorm: `x.float().pow(2).mean(-1)`, `x * rsqrt(var + eps)`, rounded to T, then
+// times the weight), which differs in two places: aten's thread sums its four squares as the rounded
+// squares RN(x_j^2), added left to right (the mean's vectorized reduce: one accumulator a vector
+// element, combined in order), the same shuffle tree, and the product with r is rounded to T before
+// the weight multiplies it, so y_j = T(RN(g_j * T(RN(r * x_j)))).
 //
 // The upcast mode (kUpcast: FLUX.3's `norm(x.float())` with an fp32 weight, RoPE on the fp32 result,
 // one `.to(T)`) differs in two places only: g is float, and y_j = RN(g_j * RN(r * x_j)) stays in fp32,
@@ -32,7 +42,8 @@
 // and its last step (offset 1) the sum of the two. The unit of work of a warp is a pair of head rows
 // of one tensor (its halves take heads 2i and 2i+1), so which tensor a warp works on, and whether it
 // runs the norm's shuffles, is uniform across the warp; the token's units (q's pairs, then k's, then
-// v's) are dealt to the two warps in turn, kRowsInFlight of them loaded before any is computed. Each
+// v's) are dealt to the two warps in turn, kRowsInFlight of them a round, the next round loaded while
+// one is computed. Each
 // output is a contiguous [B, S, H, 128] tensor; its rows come from up to two input segments (text,
 // then image rows of a double block), each with its own strides and (q, k) RMSNorm weight.
 #pragma once
@@ -47,22 +58,28 @@ namespace qk_norm_rope {
 constexpr int kHeadDim = 128;
 constexpr int kThreads = 64;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRowsInFlight = 4;  // units (row pairs) a warp loads before it computes
-// Twelve blocks of two warps an SM: the register cap (80) that ptxas meets without spilling at four
-// units in flight, i.e. 12 x 2 warps x 4 units x 512 bytes = 48 KB of loads in flight an SM, and
-// each warp takes half the token (klein's single block: 12 units, three rounds), so the token's
-// fixed work (its index, tables and weights) is done by two warps instead of four. On the H200 this
-// beat four warps a block at (3 units, 7 blocks) by 2% at klein's single block and matched it
-// elsewhere; (3, 7) itself beat (6, 5), (4, 6), (3, 6), (2, 8) and, spilling, (3, 8) and (2, 9).
+constexpr int kRowsInFlight = 4;  // units (row pairs) a warp loads in one round
+// Ten blocks of two warps an SM: the register cap (96) that ptxas meets without spilling with two
+// rounds of four units in registers (the one computed and the next, loaded meanwhile), i.e.
+// 10 x 2 warps x 4-8 units x 512 bytes = 40-80 KB of loads in flight an SM, and each warp takes half
+// the token, so the token's fixed work (its index, tables and weights) is done by two warps instead
+// of four. Outputs are stored streaming (evict first): nothing in this launch reads them again.
+// On the H200 (FLUX.2's 4608-token double block, klein's single block, FLUX.3's fp32 prologue,
+// Qwen-Image's), prefetching the next round and streaming stores together took 3-6% off one round
+// at a time with plain stores at 12 blocks; more units a round (6 at 10 blocks, 12 at 6) or fewer
+// (3 at 12 or 14 blocks, spilling) were slower. Earlier, four units at 12 blocks beat four warps a
+// block at (3 units, 7 blocks), which beat (6, 5), (4, 6), (3, 6), (2, 8), (3, 8) and (2, 9).
 // Staging the token in shared memory (cp.async, or TMA bulk copies, also double-buffered across
 // tokens by persistent blocks) was 3-12% slower: the loads go out no faster, and the block waits
 // for all of them before it computes any.
-constexpr int kMinBlocks = 12;
+constexpr int kMinBlocks = 10;
 constexpr int kTensors = 3;       // q, k, v
 
 // A host's RoPE arithmetic (see the header comment); the Python layer names them "aten", "addcmul"
 // and "kitchen".
-enum Rotation : int { kAten = 0, kAddcmul = 1, kKitchen = 2 };
+enum Rotation : int { kAten = 0, kAddcmul = 1, kKitchen = 2, kComplex = 3 };
+// A host's q/k norm; the Python layer names them "fused" (aten's rms_norm) and "mean" (diffusers').
+enum Norm : int { kFusedNorm = 0, kMeanNorm = 1 };
 constexpr int kV = 2;             // v's index: rows copied, not normalized
 
 template <typename T>
@@ -137,13 +154,16 @@ __device__ __forceinline__ float2 rotate(float y0, float y1, float c0, float s0,
                        __fadd_rn(__fmul_rn(y1, c1), __fmul_rn(y0, s1)));
   } else if constexpr (kRotation == kAddcmul) {
     return make_float2(__fmaf_rn(-s0, y1, __fmul_rn(c0, y0)), __fmaf_rn(c1, y1, __fmul_rn(s1, y0)));
-  } else {
-    static_assert(kRotation == kKitchen, "unknown rotation");
+  } else if constexpr (kRotation == kKitchen) {
     return make_float2(fma_ftz(c0, y0, mul_ftz(-s0, y1)), fma_ftz(s1, y0, mul_ftz(c1, y1)));
+  } else {
+    // (y0 + i y1) * (c0 + i s0): channel 2i's entries for both outputs (the tables repeat them).
+    static_assert(kRotation == kComplex, "unknown rotation");
+    return make_float2(__fmaf_rn(y0, c0, -__fmul_rn(y1, s0)), __fmaf_rn(y0, s0, __fmul_rn(y1, c0)));
   }
 }
 
-template <typename T, bool kUpcast, int kRotation>
+template <typename T, bool kUpcast, int kRotation, int kNorm>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(const Params<T, kUpcast> p) {
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x & 15;            // lane within the half-warp: elements 8 lane .. + 7
@@ -181,8 +201,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
   // tensor's last pair is one head past the end: it runs the shuffles on zeros and stores nothing.
   const int pairs = (p.heads + 1) >> 1;
   const int units = p.tensors * pairs;
-  for (int first = warp; first < units; first += kWarps * kRowsInFlight) {
-    Oct<T> xs[kRowsInFlight];
+  // Round `first` (a warp's units first, first + 2, ...) into xs: each lane's 16 bytes of its head.
+  auto load_round = [&](int first, Oct<T>* xs) {
 #pragma unroll
     for (int u = 0; u < kRowsInFlight; ++u) {
       const int unit = first + kWarps * u;
@@ -195,6 +215,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
         xs[u] = Oct<T>{};
       }
     }
+  };
+  // The next round is loaded while this one is computed.
+  Oct<T> next[kRowsInFlight];
+  load_round(warp, next);
+  for (int first = warp; first < units; first += kWarps * kRowsInFlight) {
+    Oct<T> xs[kRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) xs[u] = next[u];
+    if (first + kWarps * kRowsInFlight < units) load_round(first + kWarps * kRowsInFlight, next);
 #pragma unroll
     for (int u = 0; u < kRowsInFlight; ++u) {
       const int unit = first + kWarps * u;
@@ -203,18 +232,31 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
       const int h = 2 * (unit - t * pairs) + odd;
       T* dst = (t == 0 ? p.out[0] : (t == 1 ? p.out[1] : p.out[kV])) + out_offset + int64_t(h) * kHeadDim;
       if (t == kV) {  // uniform across the warp: v's rows, moved as they are
-        if (h < p.heads) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&xs[u]);
+        if (h < p.heads) __stcs(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(&xs[u]));
         continue;
       }
       float x[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) x[i] = xs[u].get(i);
-      // aten's threads 2 lane and 2 lane + 1: sums of squares in element order (fma, as compiled).
-      float s0 = 0.0f, s1 = 0.0f;
+      // aten's threads 2 lane and 2 lane + 1: sums of squares in element order, an fma each (the
+      // fused norm, as compiled) or the rounded squares added (the mean's accumulators, combined).
+      float s0, s1;
+      if constexpr (kNorm == kMeanNorm) {
+        s0 = __fmul_rn(x[0], x[0]);
+        s1 = __fmul_rn(x[4], x[4]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s0 = __fmaf_rn(x[i], x[i], s0);
+        for (int i = 1; i < 4; ++i) {
+          s0 = __fadd_rn(s0, __fmul_rn(x[i], x[i]));
+          s1 = __fadd_rn(s1, __fmul_rn(x[i + 4], x[i + 4]));
+        }
+      } else {
+        s0 = 0.0f;
+        s1 = 0.0f;
 #pragma unroll
-      for (int i = 4; i < 8; ++i) s1 = __fmaf_rn(x[i], x[i], s1);
+        for (int i = 0; i < 4; ++i) s0 = __fmaf_rn(x[i], x[i], s0);
+#pragma unroll
+        for (int i = 4; i < 8; ++i) s1 = __fmaf_rn(x[i], x[i], s1);
+      }
 #pragma unroll
       for (int offset = 8; offset > 0; offset >>= 1) {
         s0 = __fadd_rn(s0, __shfl_down_sync(kAll, s0, offset, 16));
@@ -243,8 +285,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
         // Rounded to T two at a time (one packed conversion), then read back as floats.
 #pragma unroll
         for (int i = 0; i < 8; i += 2) {
-          const auto pair = Elem<T>::pack(__fmul_rn(gv.get(i), __fmul_rn(rstd, x[i])),
-                                          __fmul_rn(gv.get(i + 1), __fmul_rn(rstd, x[i + 1])));
+          float a = __fmul_rn(rstd, x[i]), b = __fmul_rn(rstd, x[i + 1]);
+          if constexpr (kNorm == kMeanNorm) {  // diffusers rounds x * r to T before the weight
+            const auto normed = Elem<T>::pack(a, b);
+            a = Elem<T>::lo(normed);
+            b = Elem<T>::hi(normed);
+          }
+          const auto pair = Elem<T>::pack(__fmul_rn(gv.get(i), a), __fmul_rn(gv.get(i + 1), b));
           y[i] = Elem<T>::lo(pair);
           y[i + 1] = Elem<T>::hi(pair);
         }
@@ -255,7 +302,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
         const float2 out = rotate<kRotation>(y[i], y[i + 1], c[i], sn[i], c[i + 1], sn[i + 1]);
         result.p[i >> 1] = Elem<T>::pack(out.x, out.y);
       }
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&result);
+      __stcs(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(&result));
     }
   }
 }

@@ -10,7 +10,9 @@ eager `cat`s disappear, and the token's RoPE tables are read once for q and k. `
 FLUX.3's prologue: `norm(q.float())` with a float32 RMSNorm weight, RoPE on the fp32 result and one
 rounding to q's dtype at the end (diffusers' `Flux3AttnProcessor`), in the same launch. `rotation` is
 the host's RoPE arithmetic: diffusers' ("aten"), or ComfyUI's, whose torch code ("addcmul") and
-comfy-kitchen's CUDA kernel ("kitchen") round otherwise (docs/numerics.md, 12). `fused` is the
+comfy-kitchen's CUDA kernel ("kitchen") round otherwise (docs/numerics.md, 12), or the complex product
+of Qwen-Image and Z-Image ("complex"), which goes with `norm="mean"`: their q/k norm is diffusers' own
+`RMSNorm` module, a pow/mean chain, not aten's fused `rms_norm` ("fused"). `fused` is the
 same decision without the fallback; `qk_norm_rope` is the validated op that raises for inputs the
 kernel cannot take.
 """
@@ -68,16 +70,16 @@ def decline_reason(
     *,
     upcast: bool = False,
     rotation: str = "aten",
+    norm: str = "fused",
 ) -> str | None:
-    """Why `fused(q, k, cos, sin, eps, v, upcast=upcast, rotation=rotation)` declines, or None when it
-    launches the kernel."""
-    reason = guards.mode_reason(upcast, rotation)
+    """Why `fused(q, k, cos, sin, eps, v, upcast=upcast, rotation=rotation, norm=norm)` declines, or
+    None when it launches the kernel."""
+    mode = {"upcast": upcast, "rotation": rotation, "norm": norm}
+    reason = guards.mode_reason(upcast, rotation, norm)
     for segment in (*q, *k):
-        reason = reason or segment_decline_reason(
-            segment.x, segment.weight, cos, sin, upcast=upcast, rotation=rotation
-        )
+        reason = reason or segment_decline_reason(segment.x, segment.weight, cos, sin, **mode)
     for x in v or ():
-        reason = reason or value_decline_reason(x, upcast=upcast, rotation=rotation)
+        reason = reason or value_decline_reason(x, **mode)
     return reason or _layout_reason(q, k, cos, v)
 
 
@@ -91,13 +93,14 @@ def fused(
     *,
     upcast: bool = False,
     rotation: str = "aten",
+    norm: str = "fused",
 ) -> Prologue | None:
     """(q, k, v) from one kernel launch, or None where the guards decline."""
-    if not _is_number(eps) or guards.mode_reason(upcast, rotation) is not None:
+    if not _is_number(eps) or guards.mode_reason(upcast, rotation, norm) is not None:
         return None  # eps=None means aten's own default, not ours to guess
     try:
-        segment_guard = guards.segment_guard(upcast, rotation)
-        value_guard = guards.value_guard(upcast, rotation)
+        segment_guard = guards.segment_guard(upcast, rotation, norm)
+        value_guard = guards.value_guard(upcast, rotation, norm)
         for segment in (*q, *k):
             if not segment_guard(segment.x, segment.weight, cos, sin):
                 return None
@@ -107,7 +110,7 @@ def fused(
             return None
     except Exception:  # not segments of tensors: declined, as the guards decline garbage
         return None
-    return launch(q, k, cos, sin, eps, v, upcast=bool(upcast), rotation=rotation)
+    return launch(q, k, cos, sin, eps, v, upcast=bool(upcast), rotation=rotation, norm=norm)
 
 
 def apply(
@@ -120,13 +123,15 @@ def apply(
     *,
     upcast: bool = False,
     rotation: str = "aten",
+    norm: str = "fused",
     enabled: bool = True,
 ) -> Prologue:
     """The site's one decision: under a torch.compile trace the `library` operator, else `fused`
     where it accepts, else the eager chain (`reference.prologue`): the same bits. `upcast=True` is
     FLUX.3's prologue (norm and RoPE on the rows widened to fp32, a float32 weight, one rounding);
     `rotation` the host's RoPE arithmetic (`reference.ROTATIONS`: diffusers' "aten", ComfyUI's
-    "addcmul" and "kitchen"). `enabled=False` (a model's switch) always runs the eager chain."""
+    "addcmul" and "kitchen", Qwen-Image's "complex"), `norm` its q/k norm (`reference.NORMS`).
+    `enabled=False` (a model's switch) always runs the eager chain."""
     # eps=None (aten's own default) is not an operator argument: the trace keeps the eager chain.
     if enabled and torch.compiler.is_compiling() and _is_number(eps):
         from . import library
@@ -142,12 +147,14 @@ def apply(
             eps,
             bool(upcast),
             rotation,
+            norm,
         )
         return out[0], out[1], out[2] if v else None
-    out = fused(q, k, cos, sin, eps, v, upcast=upcast, rotation=rotation) if enabled else None
+    mode = {"upcast": upcast, "rotation": rotation, "norm": norm}
+    out = fused(q, k, cos, sin, eps, v, **mode) if enabled else None
     if out is not None:
         return out
-    return reference.prologue(q, k, cos, sin, eps, v, upcast=upcast, rotation=rotation)
+    return reference.prologue(q, k, cos, sin, eps, v, **mode)
 
 
 def qk_norm_rope(
@@ -160,25 +167,26 @@ def qk_norm_rope(
     *,
     upcast: bool = False,
     rotation: str = "aten",
+    norm: str = "fused",
 ) -> Prologue:
     """The kernel, without the self-check: (q, k, v), each joint [B, sum S, H, 128], v None when not
     given; `upcast=True` in FLUX.3's mode (a float32 weight, norm and RoPE in fp32); `rotation` the
-    host's RoPE arithmetic (`reference.ROTATIONS`).
+    host's RoPE arithmetic (`reference.ROTATIONS`), `norm` its q/k norm (`reference.NORMS`).
 
     Unsupported inputs raise TypeError (types, dtypes, devices) or ValueError (shapes, strides,
     alignment, an unknown mode) naming the problem.
     """
-    reason = guards.mode_reason(upcast, rotation)
+    reason = guards.mode_reason(upcast, rotation, norm)
     if reason is not None:
         raise ValueError(f"flux2-fused: {reason}")
     for segment in (*q, *k):
-        guards.segment_guard(upcast, rotation).validate(segment.x, segment.weight, cos, sin)
+        guards.segment_guard(upcast, rotation, norm).validate(segment.x, segment.weight, cos, sin)
     for x in v or ():
-        guards.value_guard(upcast, rotation).validate(x)
+        guards.value_guard(upcast, rotation, norm).validate(x)
     reason = _layout_reason(q, k, cos, v)
     if reason is not None:
         raise ValueError(f"flux2-fused: {reason}")
-    return launch(q, k, cos, sin, eps, v, upcast=bool(upcast), rotation=rotation)
+    return launch(q, k, cos, sin, eps, v, upcast=bool(upcast), rotation=rotation, norm=norm)
 
 
 __all__ = [

@@ -3,15 +3,16 @@
 The kernel reproduces eager for q and k segments x [B, S, H, 128] whose heads are dense (any row and
 batch stride that keeps 16-byte alignment: the single block's q and k are chunks of one wide
 projection), with a [128] RMSNorm weight of x's dtype and fp32 [S_total, 128] RoPE tables (or one
-a batch), and for v
-segments of the same layout (copied only); one 16-bit float dtype on one CUDA device, 16-byte-aligned
-data (the kernel moves 16 bytes a lane; aten's vectorized RMSNorm needs 8) and no autograd.
-In the upcast mode (FLUX.3: `norm(x.float())`, RoPE in fp32, one rounding) the weight is float32
-instead, as aten's fused RMSNorm needs for fp32 rows (any other dtype runs its composite chain), and
-16-byte aligned, as its float kernel needs. The host's rotation (`reference.ROTATIONS`) changes no
-check, only which self-check vouches. Everything else declines to the eager chain. `segment_guard`
-guards one q or k segment in a mode, `value_guard` one v segment; what one launch needs across them
-is `_layout_reason` in the package's `__init__`.
+a batch), and for v segments of the same layout (copied only); one 16-bit float dtype on one CUDA
+device, 16-byte-aligned data (the kernel moves 16 bytes a lane; aten's vectorized RMSNorm needs 8) and
+no autograd. In the upcast mode (FLUX.3: `norm(x.float())`, RoPE in fp32, one rounding) the weight is
+float32 instead, as aten's fused RMSNorm needs for fp32 rows (any other dtype runs its composite
+chain), and 16-byte aligned, as its float kernel needs. The host's rotation (`reference.ROTATIONS`)
+and q/k norm (`reference.NORMS`) change no check, only which self-check vouches: diffusers' `RMSNorm`
+("mean") rounds to its weight's dtype before the weight multiplies, so there too the weight has x's
+dtype. Everything else declines to the eager chain. `segment_guard` guards one q or k segment in a
+mode, `value_guard` one v segment; what one launch needs across them is `_layout_reason` in the
+package's `__init__`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from .. import runtime
 from ..verdicts import Guard, Reason, TypeReason
-from .reference import ROTATIONS
+from .reference import NORMS, ROTATIONS
 from .selfcheck import HEAD_DIM, OP, Config
 
 SUPPORTED_DTYPES = runtime.SUPPORTED_DTYPES
@@ -87,10 +88,10 @@ def _metadata_reason(x: Any, weight: Any, cos: Any, sin: Any, upcast: bool = Fal
     return None
 
 
-def _mode_guards(upcast: bool, rotation: str) -> tuple[Guard, Guard]:
+def _mode_guards(upcast: bool, rotation: str, norm: str) -> tuple[Guard, Guard]:
     """The (segment, value) guards of one mode: its metadata checks, and the kill switch, kernel
     build and self-check of this (device, dtype) in that mode."""
-    config = {"upcast": upcast, "rotation": rotation}
+    config = {"upcast": upcast, "rotation": rotation, "norm": norm}
 
     def runtime_reason(x: torch.Tensor, *_: Any) -> Reason:
         return runtime.runtime_reason(OP, x.device, Config(x.dtype, **config))
@@ -107,51 +108,71 @@ def _mode_guards(upcast: bool, rotation: str) -> tuple[Guard, Guard]:
     return segment, value
 
 
-# The modes: (upcast, rotation) -> (segment guard, value guard). FLUX.3's upcast mode is diffusers'
-# rotation only.
-_GUARDS = {
-    (upcast, rotation): _mode_guards(upcast, rotation)
-    for upcast, rotation in ((False, "aten"), (False, "addcmul"), (False, "kitchen"), (True, "aten"))
-}
-segment, value = _GUARDS[False, "aten"]
-upcast_segment, upcast_value = _GUARDS[True, "aten"]
+# The modes: (upcast, rotation, norm) -> (segment guard, value guard). FLUX.3's upcast mode is
+# diffusers' rotation and aten's norm only; diffusers' `RMSNorm` goes with the complex rotation
+# (Qwen-Image's and Z-Image's prologue), and only there.
+MODES = (
+    (False, "aten", "fused"),
+    (False, "addcmul", "fused"),
+    (False, "kitchen", "fused"),
+    (True, "aten", "fused"),
+    (False, "complex", "mean"),
+)
+_GUARDS = {mode: _mode_guards(*mode) for mode in MODES}
+segment, value = _GUARDS[False, "aten", "fused"]
+upcast_segment, upcast_value = _GUARDS[True, "aten", "fused"]
 
 
-def mode_reason(upcast: Any, rotation: Any) -> str | None:
-    """Why (upcast, rotation) is not a mode of the kernel, or None."""
+def mode_reason(upcast: Any, rotation: Any, norm: Any = "fused") -> str | None:
+    """Why (upcast, rotation, norm) is not a mode of the kernel, or None."""
     if rotation not in ROTATIONS:
         return f"rotation {rotation!r} is not one of {ROTATIONS}"
-    if upcast and rotation != "aten":
-        return "the upcast mode rotates as diffusers does (rotation 'aten')"
+    if norm not in NORMS:
+        return f"norm {norm!r} is not one of {NORMS}"
+    if upcast and (rotation, norm) != ("aten", "fused"):
+        return "the upcast mode rotates and normalizes as FLUX.3 does (rotation 'aten', norm 'fused')"
+    if (norm == "mean") != (rotation == "complex"):
+        return "diffusers' RMSNorm ('mean') is fused with the complex rotation only, and it with that norm"
     return None
 
 
-def _mode_guards_of(upcast: bool, rotation: str) -> tuple[Guard, Guard]:
-    reason = mode_reason(upcast, rotation)
+def _mode_guards_of(upcast: bool, rotation: str, norm: str) -> tuple[Guard, Guard]:
+    reason = mode_reason(upcast, rotation, norm)
     if reason is not None:
         raise ValueError(f"flux2-fused: {reason}")
-    return _GUARDS[bool(upcast), rotation]
+    return _GUARDS[bool(upcast), rotation, norm]
 
 
-def segment_guard(upcast: bool = False, rotation: str = "aten") -> Guard:
+def segment_guard(upcast: bool = False, rotation: str = "aten", norm: str = "fused") -> Guard:
     """The guard of one q or k segment in this mode; ValueError for a mode the kernel has not."""
-    return _mode_guards_of(upcast, rotation)[0]
+    return _mode_guards_of(upcast, rotation, norm)[0]
 
 
-def value_guard(upcast: bool = False, rotation: str = "aten") -> Guard:
+def value_guard(upcast: bool = False, rotation: str = "aten", norm: str = "fused") -> Guard:
     """The guard of one v segment in this mode (the same checks; the self-check of the mode);
     ValueError for a mode the kernel has not."""
-    return _mode_guards_of(upcast, rotation)[1]
+    return _mode_guards_of(upcast, rotation, norm)[1]
 
 
 def segment_decline_reason(
-    x: Any, weight: Any, cos: Any, sin: Any, *, upcast: bool = False, rotation: str = "aten"
+    x: Any,
+    weight: Any,
+    cos: Any,
+    sin: Any,
+    *,
+    upcast: bool = False,
+    rotation: str = "aten",
+    norm: str = "fused",
 ) -> Reason:
     """Why the kernel declines this q or k segment, or None when it accepts it; `upcast`: in FLUX.3's
-    mode (float32 weight, norm and RoPE in fp32); `rotation`: the host's RoPE arithmetic."""
-    return mode_reason(upcast, rotation) or segment_guard(upcast, rotation).reason(x, weight, cos, sin)
+    mode (float32 weight, norm and RoPE in fp32); `rotation`: the host's RoPE arithmetic; `norm`: its
+    q/k norm."""
+    mode = (upcast, rotation, norm)
+    return mode_reason(*mode) or segment_guard(*mode).reason(x, weight, cos, sin)
 
 
-def value_decline_reason(v: Any, *, upcast: bool = False, rotation: str = "aten") -> Reason:
+def value_decline_reason(
+    v: Any, *, upcast: bool = False, rotation: str = "aten", norm: str = "fused"
+) -> Reason:
     """Why the kernel declines this v segment, or None when it accepts it."""
-    return mode_reason(upcast, rotation) or value_guard(upcast, rotation).reason(v)
+    return mode_reason(upcast, rotation, norm) or value_guard(upcast, rotation, norm).reason(v)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import jit
-from .reference import ROTATIONS, Segment
+from .reference import NORMS, ROTATIONS, Segment
 
 SPEC = jit.KernelSpec(
     "qk_norm_rope", sources=("qk_norm_rope.cu",), headers=("qk_norm_rope.cuh", "common.cuh", "entry.cuh")
@@ -25,12 +25,13 @@ def launch(
     *,
     upcast: bool = False,
     rotation: str = "aten",
+    norm: str = "fused",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q, k, v) from one launch over one or two segments: each a joint [B, sum S, H, head_dim],
     contiguous (the layout eager's RoPE and concat return, so attention sees the same strides);
     v None when not given. `upcast`: FLUX.3's mode (float32 weights, the norm's output kept in fp32,
     one rounding at the end), else FLUX.2's; `rotation`: the host's RoPE arithmetic
-    (`reference.ROTATIONS`)."""
+    (`reference.ROTATIONS`); `norm`: its q/k norm (`reference.NORMS`)."""
     first = q[0].x
     shape = (first.shape[0], sum(segment.x.shape[1] for segment in q), *first.shape[2:])
     q_out, k_out = first.new_empty(shape), first.new_empty(shape)
@@ -42,6 +43,6 @@ def launch(
         else:
             inputs += [None] * 5
     module = jit.module_for(SPEC, first.device)
-    mode = (bool(upcast), ROTATIONS.index(rotation))
+    mode = (bool(upcast), ROTATIONS.index(rotation), NORMS.index(norm))
     module.qk_norm_rope(q_out, k_out, v_out, *inputs, cos, sin, float(eps), *mode)
     return q_out, k_out, v_out

@@ -16,6 +16,12 @@ product first and adds the first with one fma, flushing subnormals to zero ("kit
 references below are those operations in torch; "kitchen"'s is exact on CUDA, where torch's
 `addcmul` is one fma.
 
+Qwen-Image and Z-Image normalize with diffusers' own `RMSNorm` module ("mean": the variance from
+`x.float().pow(2).mean(-1)`, `x * rsqrt(variance + eps)` rounded to the weight's dtype, then times
+the weight) and rotate each pair as a complex number (`view_as_complex(x.float()) * freqs`,
+"complex"), from complex frequencies [S, hd/2] (or one a batch) whose real and imaginary parts the
+tables carry, each repeated for its channel pair (`complex_tables`).
+
 FLUX.3 upcasts: `norm_q(query.float())` (an `nn.RMSNorm` whose weight stays float32), RoPE on that
 fp32 result (`x.float()` and `.to(x.dtype)` are then no-ops), and one `.to(dtype)` at the end, so the
 norm's output is never rounded to the 16-bit dtype. docs/numerics.md gives the arithmetic.
@@ -39,13 +45,30 @@ class Segment:
     weight: torch.Tensor
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`torch.nn.RMSNorm(head_dim, eps)` with this weight, over the last dim."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
+# The hosts' q/k norms, by name (the kernel's `Norm`, in this order): `torch.nn.RMSNorm` (aten's fused
+# kernel) and diffusers' `RMSNorm` module (its pow/mean chain).
+NORMS = ("fused", "mean")
 # The hosts' RoPE arithmetics, by name (the kernel's `Rotation`, in this order).
-ROTATIONS = ("aten", "addcmul", "kitchen")
+ROTATIONS = ("aten", "addcmul", "kitchen", "complex")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, norm: str = "fused") -> torch.Tensor:
+    """The host's RMSNorm over the last dim (`NORMS`): `torch.nn.RMSNorm(head_dim, eps)` with this
+    weight ("fused"), or diffusers' `RMSNorm` module with a weight of x's dtype ("mean")."""
+    if norm == "fused":
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if norm != "mean":
+        raise ValueError(f"flux2-fused: norm {norm!r} is not one of {NORMS}")
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return (x * torch.rsqrt(variance + eps)).to(weight.dtype) * weight
+
+
+def complex_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Complex RoPE frequencies [S, hd/2] (or [B, S, hd/2]) as (cos, sin) tables [.., S, hd]: each
+    frequency's real and imaginary part repeated for its channel pair (both exact copies)."""
+    return (part.repeat_interleave(2, dim=-1).contiguous() for part in (freqs.real, freqs.imag))
+
+
 FLT_MIN = torch.finfo(torch.float32).tiny
 
 
@@ -66,12 +89,17 @@ def _ftz(x: torch.Tensor) -> torch.Tensor:
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotation: str = "aten") -> torch.Tensor:
     """Rotate interleaved channel pairs (GPT-J style) of x [B, S, H, hd] by the fp32 tables [S, hd]
-    (or one a batch, [B, S, hd]) in the host's arithmetic (`ROTATIONS`), rounded once to x's dtype."""
+    (or one a batch, [B, S, hd]) in the host's arithmetic (`ROTATIONS`), rounded once to x's dtype.
+    The complex rotation reads the frequencies from the even channels' entries (`complex_tables`)."""
     cos, sin = (t[None, :, None, :] if t.dim() == 2 else t[:, :, None, :] for t in (cos, sin))
     if rotation == "aten":
         real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
         rotated = torch.stack([-imag, real], dim=-1).flatten(3)
         return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    if rotation == "complex":  # Qwen-Image's and Z-Image's: channel 2i's entries are the frequency
+        freqs = torch.complex(cos[..., ::2], sin[..., ::2])
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * freqs).flatten(3).to(x.dtype)
     x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
     f00, f11 = cos.unflatten(-1, (-1, 2)).unbind(-1)
     minus_f01, f10 = sin.unflatten(-1, (-1, 2)).unbind(-1)
@@ -96,12 +124,15 @@ def qk_norm_rope(
     *,
     upcast: bool = False,
     rotation: str = "aten",
+    norm: str = "fused",
 ) -> torch.Tensor:
-    """The joint rotated rows [B, sum S, H, hd]: each segment normalized with its weight,
-    concatenated along tokens in order, then rotated in the host's arithmetic (`rotation`).
-    `upcast`: each segment widened to fp32 before its norm, norm and RoPE in fp32, the result
-    rounded once to the rows' dtype (FLUX.3)."""
-    normed = [rms_norm(segment.x.float() if upcast else segment.x, segment.weight, eps) for segment in rows]
+    """The joint rotated rows [B, sum S, H, hd]: each segment normalized with its weight by the
+    host's norm (`norm`), concatenated along tokens in order, then rotated in the host's arithmetic
+    (`rotation`). `upcast`: each segment widened to fp32 before its norm, norm and RoPE in fp32, the
+    result rounded once to the rows' dtype (FLUX.3)."""
+    normed = [
+        rms_norm(segment.x.float() if upcast else segment.x, segment.weight, eps, norm) for segment in rows
+    ]
     joint = normed[0] if len(normed) == 1 else torch.cat(normed, dim=1)
     out = rope(joint, cos, sin, rotation)
     return out.to(rows[0].x.dtype) if upcast else out
@@ -117,10 +148,13 @@ def prologue(
     *,
     upcast: bool = False,
     rotation: str = "aten",
+    norm: str = "fused",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q, k, v) for attention: q's and k's joint rotated rows, and v's segments concatenated along
     tokens (None when v is not given: the single block's v needs no copy). `upcast`: FLUX.3's
-    prologue, `rotation`: the host's RoPE arithmetic (see `qk_norm_rope`)."""
+    prologue, `rotation`: the host's RoPE arithmetic, `norm`: its q/k norm (see `qk_norm_rope`)."""
     value = None if v is None else torch.cat(list(v), dim=1)
-    q_out, k_out = (qk_norm_rope(rows, cos, sin, eps, upcast=upcast, rotation=rotation) for rows in (q, k))
+    q_out, k_out = (
+        qk_norm_rope(rows, cos, sin, eps, upcast=upcast, rotation=rotation, norm=norm) for rows in (q, k)
+    )
     return q_out, k_out, value

@@ -7,7 +7,9 @@ rows of random bit patterns in q, k, v, the weights and finite fp32 tables. The 
 gets the same layouts and rows with float32 weights of full fp32 precision (random bit patterns:
 any float32, subnormals, NaN and Inf included), and adds FLUX.3's own: one segment of q and k from
 separate projections, no v. ComfyUI's rotations (`addcmul`, `kitchen`) add tables of one row a batch
-element, as ComfyUI's rotation matrices come.
+element, as ComfyUI's rotation matrices come, and so does the complex rotation with diffusers' RMSNorm
+(Z-Image's frequencies come one a batch element; Qwen-Image's are the double block's), whose tables
+repeat each frequency for its channel pair as `reference.complex_tables` builds them.
 """
 
 from __future__ import annotations
@@ -29,16 +31,23 @@ HEAD_DIM = 128  # FLUX.2's head size; the kernel reproduces aten's reduction for
 @dataclass(frozen=True)
 class Config:
     """What one self-check verdict covers, with the device and the torch version: the rows' dtype,
-    the mode (`upcast`: FLUX.3's float32 norm and RoPE with a float32 weight) and the host's RoPE
-    arithmetic (`rotation`, `reference.ROTATIONS`)."""
+    the mode (`upcast`: FLUX.3's float32 norm and RoPE with a float32 weight), the host's RoPE
+    arithmetic (`rotation`, `reference.ROTATIONS`) and its q/k norm (`norm`, `reference.NORMS`)."""
 
     dtype: torch.dtype
     upcast: bool = False
     rotation: str = "aten"
+    norm: str = "fused"
 
     def __str__(self) -> str:
-        mode = (" upcast" if self.upcast else "") + ("" if self.rotation == "aten" else f" {self.rotation}")
-        return f"head_dim={HEAD_DIM} {str(self.dtype).removeprefix('torch.')}{mode}"
+        return f"head_dim={HEAD_DIM} {str(self.dtype).removeprefix('torch.')}{_mode_words(self)}"
+
+
+def _mode_words(config: Config) -> str:
+    """The mode's words after the dtype: empty for FLUX.2's (aten's rotation and norm)."""
+    words = [config.rotation] if config.rotation != "aten" else []
+    words += [f"{config.norm} norm"] if config.norm != "fused" else []
+    return (" upcast" if config.upcast else "") + "".join(f" {word}" for word in words)
 
 
 def float32_bits(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -71,7 +80,7 @@ def _edge_rows(x: torch.Tensor, big: float, small: float) -> None:
 
 def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     """Compare the kernel with live eager for one dtype and mode: (passed, what was compared)."""
-    dtype, upcast, rotation = config.dtype, config.upcast, config.rotation
+    dtype, upcast, rotation, norm = config.dtype, config.upcast, config.rotation, config.norm
     weight_dtype = torch.float32 if upcast else dtype
     gen = torch.Generator(device=device)
     gen.manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
@@ -110,6 +119,8 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     # down to float32's subnormals, which comfy-kitchen's rotation flushes
     exponents = torch.randint(-150, 60, (tokens, HEAD_DIM), generator=gen, device=device)
     noisy_table = torch.ldexp(finite, exponents.float()).float()
+    if rotation == "complex":  # one frequency a channel pair, as `reference.complex_tables` lays them
+        noisy_table[:, 1::2] = noisy_table[:, ::2]
     cases = {
         "double block: text + image segments of q, k, v": (
             [Segment(q_txt, wq_txt), Segment(q_img, wq_img)],
@@ -133,7 +144,7 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
             [noise[2]],
         ),
     }
-    if rotation != "aten":  # ComfyUI's tables come one a batch row
+    if rotation != "aten":  # ComfyUI's tables (and Z-Image's frequencies) come one a batch row
         batched = [t[None].expand(batch, -1, -1).contiguous() for t in (cos, sin)]
         batched[1][1] = batched[1][1].flip(0)
         cases["one table a batch row"] = (
@@ -153,15 +164,17 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
             sin,
             None,
         )
+    mode = {"upcast": upcast, "rotation": rotation, "norm": norm}
     for name, (q, k, c, s, v) in cases.items():
-        got = launch(q, k, c, s, 1e-6, v, upcast=upcast, rotation=rotation)
-        expected = reference.prologue(q, k, c, s, 1e-6, v, upcast=upcast, rotation=rotation)
+        got = launch(q, k, c, s, 1e-6, v, **mode)
+        expected = reference.prologue(q, k, c, s, 1e-6, v, **mode)
         if not all(a is b or bits_equal(a, b) for a, b in zip(got, expected, strict=True)):
             return False, f"{name}: differs from eager"
     torch.cuda.synchronize(device)
     shape = f"[{batch}, {tokens}, {heads}, {HEAD_DIM}]"
-    mode = (", upcast (float32 weights)" if upcast else "") + ("" if rotation == "aten" else f", {rotation}")
-    return True, f"{len(cases)} cases x {shape} {dtype}{mode}, edge rows + random bits"
+    words = _mode_words(config).replace(" upcast", " upcast (float32 weights)", 1).strip()
+    mode_words = f", {words}" if words else ""
+    return True, f"{len(cases)} cases x {shape} {dtype}{mode_words}, edge rows + random bits"
 
 
 OP = FusedOp(
@@ -169,8 +182,14 @@ OP = FusedOp(
     spec=SPEC,
     self_check=self_check,
     verify_configs=tuple(
-        Config(dtype, upcast, rotation)
-        for upcast, rotation in ((False, "aten"), (True, "aten"), (False, "addcmul"), (False, "kitchen"))
+        Config(dtype, *mode)
+        for mode in (
+            (False, "aten", "fused"),
+            (True, "aten", "fused"),
+            (False, "addcmul", "fused"),
+            (False, "kitchen", "fused"),
+            (False, "complex", "mean"),
+        )
         for dtype in (torch.bfloat16, torch.float16)
     ),
 )
