@@ -72,6 +72,24 @@ def double_blocks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return count_block_code(monkeypatch, "double_block_body")
 
 
+@pytest.fixture
+def prologue_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, float, int]]:
+    """The qk_norm_rope 'kernel' as its reference over the same segments (its contract), so the CPU
+    runs a family's fused prologue (at any head size); one (rotation, norm, eps, segments) entry a
+    launch."""
+    from flux2_fused.ops import qk_norm_rope
+
+    launches: list[tuple[str, str, float, int]] = []
+
+    def fused(q, k, cos, sin, eps, v=None, *, upcast=False, rotation="aten", norm="fused"):
+        launches.append((rotation, norm, eps, len(q)))
+        mode = {"upcast": upcast, "rotation": rotation, "norm": norm}
+        return qk_norm_rope.reference.prologue(q, k, cos, sin, eps, v, **mode)
+
+    monkeypatch.setattr(qk_norm_rope, "fused", fused)
+    return launches
+
+
 def compiled_targets(
     model: torch.nn.Module, call: Callable[[torch.nn.Module], Any], fullgraph: bool = False
 ) -> tuple[Any, set]:

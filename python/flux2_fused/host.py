@@ -19,7 +19,7 @@ import sys
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +27,17 @@ from torch import nn
 
 # q, k, v [B, S, H, head_dim] (text rows first) -> attention output [B, S, H * head_dim].
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# An RMSNorm's weight (None without one) and eps (None: the dtype's machine epsilon, as PyTorch's).
-RMSNormParameters = tuple[torch.Tensor | None, float | None]
+
+
+class RMSNormParameters(NamedTuple):
+    """A q/k RMSNorm as the fused prologue computes it: its weight (None without one), eps (None: the
+    dtype's machine epsilon, as PyTorch's) and arithmetic (`qk_norm_rope.reference.NORMS`): "fused"
+    for `torch.nn.RMSNorm` (aten's fused kernel), "mean" for diffusers' `RMSNorm` module (the
+    variance by pow and mean, rounded to the weight's dtype before the weight multiplies)."""
+
+    weight: torch.Tensor | None
+    eps: float | None
+    norm: str = "fused"
 
 
 @runtime_checkable
@@ -52,9 +61,10 @@ class Host(Protocol):
         ...
 
     def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
-        """(weight, eps) of a plain q/k norm the block code may compute as diffusers' `nn.RMSNorm`
-        with that weight and eps (the fused prologue does); None where the module's own call must
-        run. A host whose RMSNorm class differs from PyTorch's names it here."""
+        """(weight, eps, arithmetic) of a plain q/k norm the block code may compute as `nn.RMSNorm`
+        (or diffusers' own `RMSNorm` module) with that weight and eps (the fused prologue does); None
+        where the module's own call must run. A host whose RMSNorm class differs from PyTorch's names
+        it here."""
         ...
 
     def layer_norm(self, module: nn.Module) -> float | None:
@@ -158,6 +168,20 @@ def _own_function(owner: type, fn: Any) -> bool:
         and qualname.rpartition(".")[2] == inner.__code__.co_name
         and module_file is not None
         and Path(inner.__code__.co_filename).resolve() == Path(module_file).resolve()
+    )
+
+
+def module_function(fn: Any, module_name: str) -> bool:
+    """Whether `fn` is a function the module `module_name` defines, not a replacement put in its place
+    (its code was compiled from that module's file, which `functools.wraps` cannot fake)."""
+    module = sys.modules.get(module_name)
+    code = getattr(fn, "__code__", None)
+    path = getattr(module, "__file__", None)
+    return (
+        code is not None
+        and path is not None
+        and getattr(fn, "__module__", None) == module_name
+        and Path(code.co_filename).resolve() == Path(path).resolve()
     )
 
 
@@ -282,7 +306,8 @@ class ModuleHost:
         return module(x)
 
     def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
-        return (module.weight, module.eps) if type(module) is nn.RMSNorm and self.plain(module) else None
+        plain = type(module) is nn.RMSNorm and self.plain(module)
+        return RMSNormParameters(module.weight, module.eps) if plain else None
 
     def layer_norm(self, module: nn.Module) -> float | None:
         plain = type(module) is nn.LayerNorm and not module.elementwise_affine and self.plain(module)

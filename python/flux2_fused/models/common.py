@@ -32,16 +32,26 @@ Rotation = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tens
 
 class HostRope(tuple):
     """The RoPE of a host whose rotation is its own (ComfyUI's `apply_rope`, comfy-kitchen's kernel
-    where installed): `rotate` is that rotation, which the prologue runs after the norms' module calls
-    wherever it does not launch; `rotation` names the fused prologue's rotation that computes it
-    (`qk_norm_rope.reference.ROTATIONS`), None where none does, and the tuple then holds its (cos,
-    sin) tables, else nothing."""
+    where installed, Qwen-Image's `apply_rotary_emb_qwen`): `rotate` is that rotation, which the
+    prologue runs after the norms' module calls wherever it does not launch; `rotation` names the
+    fused prologue's rotation that computes it (`qk_norm_rope.reference.ROTATIONS`), None where none
+    does, and the tuple then holds its (cos, sin) tables, else nothing; `embedding` is the RoPE as
+    the host's own modules take it (`module_rope`), where they take one."""
 
-    def __new__(cls, tables: tuple, rotate: Rotation, rotation: str | None = None) -> HostRope:
+    def __new__(
+        cls, tables: tuple, rotate: Rotation, rotation: str | None = None, embedding: Any = None
+    ) -> HostRope:
         rope = super().__new__(cls, tables)
         rope.rotate = rotate
         rope.rotation = rotation
+        rope.embedding = embedding
         return rope
+
+
+def module_rope(rope: Rope | HostRope) -> Any:
+    """The RoPE argument a host's attention module takes in its own call: a `HostRope`'s embedding,
+    else the (cos, sin) tables themselves (diffusers' FLUX)."""
+    return rope.embedding if isinstance(rope, HostRope) else rope
 
 
 # A block's attention arguments as the host passes them (diffusers' `joint_attention_kwargs`).
@@ -63,10 +73,11 @@ def layer_norms_plain(host: Host, module: nn.Module, names: Iterable[str]) -> bo
 
 
 def qk_norms(host: Host, norms: Iterable[nn.Module]) -> list[RMSNormParameters] | None:
-    """Each q/k norm's (weight, eps), where the host vouches for every one as an RMSNorm
-    (`host.rms_norm`) and they share one eps (a fused launch takes one); else None."""
+    """Each q/k norm's (weight, eps, arithmetic), where the host vouches for every one as an RMSNorm
+    (`host.rms_norm`) and they share one eps and one arithmetic (a fused launch takes one); else
+    None."""
     params = [host.rms_norm(norm) for norm in norms]
-    if any(p is None for p in params) or len({eps for _, eps in params}) != 1:
+    if any(p is None for p in params) or len({(p.eps, p.norm) for p in params}) != 1:
         return None
     return params
 
@@ -90,7 +101,9 @@ def prologue(
     norms = qk_norms(host, (norm for _, norm in (*q, *k)))
     if norms is not None and rotate is not None:
         if rope.rotation is not None and fusion.fused and not torch.compiler.is_compiling():
-            out = qk_norm_rope.fused(*_segments(norms, q, k), *rope, norms[0][1], v, rotation=rope.rotation)
+            out = qk_norm_rope.fused(
+                *_segments(norms, q, k), *rope, norms[0].eps, v, rotation=rope.rotation, norm=norms[0].norm
+            )
             if out is not None:
                 return out
         norms = None
@@ -108,13 +121,15 @@ def prologue(
         else:
             query, key = (qk_norm_rope.reference.rope(t, *rope) for t in (query, key))
         return query, key, None if v is None else torch.cat(v, dim=1)
-    return qk_norm_rope.apply(*_segments(norms, q, k), *rope, norms[0][1], v, enabled=fusion.fused)
+    return qk_norm_rope.apply(
+        *_segments(norms, q, k), *rope, norms[0].eps, v, norm=norms[0].norm, enabled=fusion.fused
+    )
 
 
 def _segments(norms: list[RMSNormParameters], q: list[Part], k: list[Part]) -> list[list[Segment]]:
     """The op's q and k segments: each part's rows with its norm's weight (`norms` in q's then k's
     order)."""
-    weights = iter(weight for weight, _ in norms)
+    weights = iter(params.weight for params in norms)
     return [[Segment(x, next(weights)) for x, _ in parts] for parts in (q, k)]
 
 

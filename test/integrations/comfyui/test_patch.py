@@ -84,9 +84,10 @@ def prologue_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     launches: list[str] = []
 
-    def fused(q, k, cos, sin, eps, v=None, *, upcast=False, rotation="aten"):
+    def fused(q, k, cos, sin, eps, v=None, *, upcast=False, rotation="aten", norm="fused"):
         launches.append(rotation)
-        return qk_norm_rope.reference.prologue(q, k, cos, sin, eps, v, upcast=upcast, rotation=rotation)
+        mode = {"upcast": upcast, "rotation": rotation, "norm": norm}
+        return qk_norm_rope.reference.prologue(q, k, cos, sin, eps, v, **mode)
 
     monkeypatch.setattr(binding, "rope_rotation", lambda dtype, pe: "addcmul")
     monkeypatch.setattr(qk_norm_rope, "fused", fused)

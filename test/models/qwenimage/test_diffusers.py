@@ -73,6 +73,51 @@ def test_the_fused_branches_are_diffusers_bit_for_bit(
     assert len(gated_resnorm_on_cpu) == 4 * support.TINY["num_layers"] + 1
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_fused_prologue_is_diffusers_bit_for_bit(
+    dtype: torch.dtype, batch: int, prologue_on_cpu: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each block's four diffusers RMSNorms and Qwen's complex rotation of both streams as one
+    prologue launch ("mean" norm, "complex" rotation, text rows first): diffusers' bits."""
+    model = support.transformer().to(dtype)
+    inputs = support.step_inputs(batch=batch, dtype=dtype, padded=2 if batch == 2 else 0)
+    assert _compare(model, inputs, monkeypatch) == support.TINY["num_layers"]
+    assert prologue_on_cpu == [("complex", "mean", 1e-6, 2)] * support.TINY["num_layers"]
+
+
+def test_a_replaced_rotary_function_runs_in_place_of_the_prologue(
+    prologue_on_cpu: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tool that replaces `apply_rotary_emb_qwen` is honored: the prologue does not launch, the
+    norms run as module calls and the replacement rotates, as in diffusers' own forward."""
+    qwen = __import__("diffusers.models.transformers.transformer_qwenimage", fromlist=["_"])
+    original = qwen.apply_rotary_emb_qwen
+    calls = []
+
+    def replaced(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
+        calls.append(x.shape)
+        return original(x, freqs_cis, use_real, use_real_unbind_dim) * 0.5
+
+    monkeypatch.setattr(qwen, "apply_rotary_emb_qwen", replaced)
+    assert _compare(support.transformer(), support.step_inputs(), monkeypatch) == support.TINY["num_layers"]
+    assert prologue_on_cpu == []
+    assert len(calls) == 2 * 4 * support.TINY["num_layers"]  # diffusers' call, then the block code's
+
+
+def test_qk_norms_of_another_arithmetic_run_as_module_calls(
+    prologue_on_cpu: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q/k norms the host does not vouch for as diffusers' plain `RMSNorm` (one with a bias, one
+    hooked): that block's module calls and diffusers' rotation, diffusers' bits."""
+    model = support.transformer().to(torch.bfloat16)
+    attn = model.transformer_blocks[0].attn
+    attn.norm_q.bias = nn.Parameter(torch.zeros_like(attn.norm_q.weight))
+    model.transformer_blocks[1].attn.norm_k.register_forward_hook(lambda *_: None)
+    _compare(model, support.step_inputs(dtype=torch.bfloat16), monkeypatch)
+    assert prologue_on_cpu == []
+
+
 def test_fp16_clips_both_streams_where_diffusers_clips(monkeypatch: pytest.MonkeyPatch) -> None:
     model = support.transformer().half()
     inputs = support.step_inputs(dtype=torch.float16)

@@ -1,7 +1,8 @@
 """Qwen-Image on CUDA: `enable()` on diffusers' QwenImageTransformer2DModel equals diffusers bit for bit
-with the kernels running (each modulated norm one launch, each GELU one, the output norm), bf16 and
-fp16, with and without text padding, at the tiny size and at one block of Qwen-Image's width
-(24 heads x 128) over 1024x1024's 4096 image tokens."""
+with the kernels running (each modulated norm one launch, each GELU one, the output norm, and at
+head_dim 128 each block's attention prologue), bf16 and fp16, with and without text padding, at the
+tiny size and at one block of Qwen-Image's width (24 heads x 128) over 1024x1024's 4096 image
+tokens."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("diffusers.models.transformers.transformer_qwenimage")
 
 
-def _check(model: torch.nn.Module, inputs: dict, blocks: int) -> None:
+def _check(model: torch.nn.Module, inputs: dict, blocks: int, prologues: bool = False) -> None:
     with torch.inference_mode():
         expected = model(**inputs).sample
         handle = enable(model)
@@ -26,7 +27,8 @@ def _check(model: torch.nn.Module, inputs: dict, blocks: int) -> None:
         launches = fused_launches(lambda: model(**inputs))
         handle.disable()
     assert bits_equal(patched, expected)
-    assert launches == 6 * blocks + 1  # four norms and two GELUs a block, the output norm
+    # four norms and two GELUs a block (and its prologue where head_dim is 128), the output norm
+    assert launches == (7 if prologues else 6) * blocks + 1
 
 
 @pytest.mark.parametrize("padded", [0, 2])
@@ -38,9 +40,10 @@ def test_tiny_on_cuda(dtype: torch.dtype, padded: int) -> None:
     _check(model, inputs, support.TINY["num_layers"])
 
 
-def test_one_block_at_qwen_images_width() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_one_block_at_qwen_images_width(dtype: torch.dtype) -> None:
     """One block of Qwen-Image's width on 64x64 packed latents (4096 tokens) and 512 text tokens,
-    64 of them padding."""
+    64 of them padding: the prologue launches too."""
     model = support.transformer(
         num_layers=1,
         attention_head_dim=128,
@@ -49,15 +52,15 @@ def test_one_block_at_qwen_images_width() -> None:
         in_channels=64,
         out_channels=16,
         axes_dims_rope=(16, 56, 56),
-    ).to("cuda", torch.bfloat16)
+    ).to("cuda", dtype)
     gen = torch.Generator("cuda").manual_seed(0)
     mask = torch.ones(1, 512, dtype=torch.long, device="cuda")
     mask[0, 448:] = 0
     inputs = {
-        "hidden_states": torch.randn(1, 4096, 64, generator=gen, device="cuda").bfloat16(),
-        "encoder_hidden_states": torch.randn(1, 512, 3584, generator=gen, device="cuda").bfloat16(),
+        "hidden_states": torch.randn(1, 4096, 64, generator=gen, device="cuda").to(dtype),
+        "encoder_hidden_states": torch.randn(1, 512, 3584, generator=gen, device="cuda").to(dtype),
         "encoder_hidden_states_mask": mask,
         "timestep": torch.full((1,), 0.5, device="cuda"),
         "img_shapes": [(1, 64, 64)],
     }
-    _check(model, inputs, 1)
+    _check(model, inputs, 1, prologues=True)

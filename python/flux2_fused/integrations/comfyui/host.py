@@ -28,13 +28,12 @@ import functools
 import importlib.metadata
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...host import Attention, ModuleHost, RMSNormParameters, methods_unpatched, unwrapped
+from ...host import Attention, ModuleHost, RMSNormParameters, methods_unpatched, module_function, unwrapped
 
 FLUX_MATH = "comfy.ldm.flux.math"
 FLUX_LAYERS = "comfy.ldm.flux.layers"
@@ -60,19 +59,6 @@ class View:
 _verdicts: dict[tuple[tuple[Any, str], ...], bool] = {}
 
 
-def _comfy_function(fn: Any, module_name: str) -> bool:
-    """Whether `fn` is a function ComfyUI's module `module_name` defines (not a replacement)."""
-    module = sys.modules.get(module_name)
-    code = getattr(fn, "__code__", None)
-    path = getattr(module, "__file__", None)
-    return (
-        code is not None
-        and path is not None
-        and getattr(fn, "__module__", None) == module_name
-        and Path(code.co_filename).resolve() == Path(path).resolve()
-    )
-
-
 @torch._dynamo.assume_constant_result
 def _functions_own(functions: tuple[tuple[Any, str], ...]) -> bool:
     """Whether each (function, module name) is that ComfyUI module's own function, kept per function
@@ -80,7 +66,7 @@ def _functions_own(functions: tuple[tuple[Any, str], ...]) -> bool:
     a constant."""
     verdict = _verdicts.get(functions)
     if verdict is None:
-        verdict = all(_comfy_function(fn, name) for fn, name in functions)
+        verdict = all(module_function(fn, name) for fn, name in functions)
         _verdicts[functions] = verdict
     return verdict
 
@@ -197,7 +183,8 @@ class ComfyHost(ModuleHost):
             and not module.comfy_cast_weights
             and type(module.weight) in (nn.Parameter, torch.Tensor)
         ):
-            return module.weight, torch.finfo(torch.float32).eps if module.eps is None else module.eps
+            eps = torch.finfo(torch.float32).eps if module.eps is None else module.eps
+            return RMSNormParameters(module.weight, eps)
         return super().rms_norm(module)
 
     def attention(

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...host import Attention, ModuleHost, methods_unpatched, output_dropout_inactive
+from ...host import Attention, ModuleHost, RMSNormParameters, methods_unpatched, output_dropout_inactive
 from .slots import class_forward_signature
 
 # The attention of a processor on the block code's q, k, v, or None where its own call must run:
@@ -31,6 +31,9 @@ AttentionFactory = Callable[["DiffusersHost", Any, Mapping[str, Any], int], Atte
 
 # PyTorch modules the families' block code computes itself where nothing wraps them.
 TORCH_CLASSES = frozenset({nn.LayerNorm, nn.RMSNorm, nn.SiLU, nn.GELU, nn.Dropout})
+# diffusers' own RMSNorm module (Qwen-Image's q/k norms): a family that lists it among its classes
+# has it computed as its forward's pow/mean chain (`rms_norm`).
+RMS_NORM = "diffusers.models.normalization.RMSNorm"
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,13 @@ def resolve(qualified: str) -> type | None:
         return None
 
 
+def _npu_available() -> bool:
+    """Whether diffusers' `RMSNorm` takes its Ascend NPU branch (`npu_rms_norm`) here."""
+    from diffusers.utils import is_torch_npu_available
+
+    return is_torch_npu_available()
+
+
 def _resolved(names: Iterable[str]) -> dict[type, str]:
     return {cls: name for name in names if (cls := resolve(name)) is not None}
 
@@ -76,6 +86,9 @@ class DiffusersHost(ModuleHost):
             cls: binding.processors[name] for cls, name in _resolved(binding.processors).items()
         }
         self.block_forwards = {cls: binding.blocks[name] for cls, name in _resolved(binding.blocks).items()}
+        # Looked up once: a torch.compile trace of `rms_norm` cannot import or ask for the device.
+        self.rms_norm_class = resolve(RMS_NORM)
+        self.rms_norm_forward_plain = self.rms_norm_class is not None and not _npu_available()
 
     def attention(
         self, attn: nn.Module, options: Mapping[str, Any] | None, text_tokens: int
@@ -87,6 +100,16 @@ class DiffusersHost(ModuleHost):
         if factory is None or not methods_unpatched(type(processor), ("__call__",)):
             return None  # a processor class patched in place runs its own (replaced) call
         return factory(self, processor, options or {}, text_tokens)
+
+    def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
+        """`nn.RMSNorm` as PyTorch's host has it, and a plain diffusers `RMSNorm` with a weight and no
+        bias as its forward computes it off Ascend NPUs (where it calls `npu_rms_norm` instead): the
+        "mean" arithmetic."""
+        if type(module) is self.rms_norm_class and self.plain(module):
+            if module.weight is not None and module.bias is None and self.rms_norm_forward_plain:
+                return RMSNormParameters(module.weight, module.eps, "mean")
+            return None
+        return super().rms_norm(module)
 
     def _attention_plain(self, attn: nn.Module) -> bool:
         """The attention module's forward may be replaced by the block code (its processor aside):

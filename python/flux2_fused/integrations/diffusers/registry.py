@@ -30,6 +30,9 @@ FAMILIES = {
     "diffusers.models.transformers.transformer_qwenimage.QwenImageTransformer2DModel": (
         "flux2_fused.models.qwenimage.diffusers"
     ),
+    "diffusers.models.transformers.transformer_z_image.ZImageTransformer2DModel": (
+        "flux2_fused.models.zimage.diffusers"
+    ),
 }
 
 

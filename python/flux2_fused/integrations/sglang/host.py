@@ -66,7 +66,7 @@ class SglangHost(ModuleHost):
             or getattr(module, "variance_size_override", None) is not None
         ):
             return None
-        return module.weight, module.variance_epsilon
+        return RMSNormParameters(module.weight, module.variance_epsilon)
 
     def attention(
         self, attn: nn.Module, options: Mapping[str, Any] | None, text_tokens: int

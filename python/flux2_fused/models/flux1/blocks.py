@@ -33,6 +33,7 @@ from ..common import (
     double_block_mlps,
     joint_attention_rows,
     layer_norms_plain,
+    module_rope,
     output_norm,
     prologue,
     qkv_projections,
@@ -103,7 +104,11 @@ def joint_attention(
     attend = host.attention(attn, options, c.shape[1])
     if attend is None:
         return host.call(
-            attn, hidden_states=x, encoder_hidden_states=c, image_rotary_emb=rope, **(options or {})
+            attn,
+            hidden_states=x,
+            encoder_hidden_states=c,
+            image_rotary_emb=module_rope(rope),
+            **(options or {}),
         )
     c_out, x_out = joint_attention_rows(attn, host, fusion, x, c, rope, attend)
     x_out = host.linear(attn.to_out[0], x_out.contiguous())

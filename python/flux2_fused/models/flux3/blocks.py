@@ -40,22 +40,21 @@ def prologue(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`norm_q(q.float())` and `norm_k(k.float())`, RoPE in fp32, one cast to `dtype` (v's), as
     `Flux3AttnProcessor` runs them: one fused launch (which rounds to q's dtype) where the host
-    vouches for both norms as RMSNorms of one eps and v's dtype is q's; else the norm modules' own
-    calls."""
+    vouches for both norms as `nn.RMSNorm`s of one eps and v's dtype is q's; else the norm modules'
+    own calls."""
     norms = qk_norms(host, (attn.norm_q, attn.norm_k)) if query.dtype == dtype else None
-    if norms is None:
+    if norms is None or norms[0].norm != "fused":
         rotated = (
             qk_norm_rope.reference.rope(host.call(norm, x.float()), *rope)
             for norm, x in ((attn.norm_q, query), (attn.norm_k, key))
         )
         q, k = (x.to(dtype) for x in rotated)
         return q, k
-    (wq, eps), (wk, _) = norms
     q, k, _ = qk_norm_rope.apply(
-        [qk_norm_rope.Segment(query, wq)],
-        [qk_norm_rope.Segment(key, wk)],
+        [qk_norm_rope.Segment(query, norms[0].weight)],
+        [qk_norm_rope.Segment(key, norms[1].weight)],
         *rope,
-        eps,
+        norms[0].eps,
         upcast=True,
         enabled=fusion.fused,
     )

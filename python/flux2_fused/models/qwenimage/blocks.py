@@ -11,10 +11,11 @@ block, sixty of them and no single blocks:
   the text padding mask where the pipeline passes one;
 - the MLPs are diffusers' `FeedForward` with a tanh GELU (FLUX.1's `feed_forward`);
 - both streams are clipped to +-65504 in fp16 after each block.
-The fused sites are the modulated norms with their pending gated residuals and the GELUs. The q/k
-norms and the rotation run as diffusers' module calls and function (`host_rope`): diffusers'
-`RMSNorm` computes its variance with `pow` and `mean`, and the rotation is a complex product, neither
-of them the fused prologue's arithmetic.
+The fused sites are the modulated norms with their pending gated residuals, the GELUs and the
+attention prologue: diffusers' `RMSNorm` per head (its variance by `pow` and `mean`, the prologue's
+"mean" norm) and Qwen's complex rotation (its "complex" rotation) of both streams' q and k, with v's
+concat, in one launch. Wherever that launch declines (or a tool replaced `apply_rotary_emb_qwen`),
+diffusers' module calls and function run (`host_rope`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ...host import Host
+from ...host import Host, module_function
+from ...ops.qk_norm_rope.reference import complex_tables
 from ..common import HostRope, Options, double_block_mlps, layer_norms_plain, split_modulation
 from ..deferral import Fusion, Stream, materialize, stream_dtype
 from ..flux1.blocks import feed_forward, joint_attention
@@ -68,11 +70,12 @@ def block_plain(host: Host, block: nn.Module) -> bool:
 
 
 def host_rope(image_rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> HostRope:
-    """Qwen's RoPE for the block code: diffusers' (image, text) complex frequencies, which the
-    attention module's own call takes as they are, and their rotation of the joint normalized q and
-    k: the text rows by the text frequencies and the image rows by the image ones, each through
-    diffusers' `apply_rotary_emb_qwen` as its processor calls it (found at call time, so a replaced
-    function is honored), then joined text first."""
+    """Qwen's RoPE for the block code: the prologue's "complex" rotation with the (cos, sin) tables of
+    diffusers' (image, text) complex frequencies, text rows first, while `apply_rotary_emb_qwen` is
+    diffusers' own; and diffusers' rotation of the joint normalized q and k wherever the launch
+    declines: the text rows by the text frequencies and the image rows by the image ones, each
+    through `apply_rotary_emb_qwen` as its processor calls it (found at call time, so a replaced
+    function is honored: then it alone rotates), joined text first."""
     img_freqs, txt_freqs = image_rotary_emb
     text_tokens = txt_freqs.shape[0]
 
@@ -85,7 +88,10 @@ def host_rope(image_rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> HostRope:
             rotated.append(torch.cat([apply(txt, txt_freqs, use_real=False), img], dim=1))
         return rotated[0], rotated[1]
 
-    return HostRope(image_rotary_emb, rotate)
+    if not module_function(sys.modules[MODULE].apply_rotary_emb_qwen, MODULE):
+        return HostRope((), rotate, embedding=image_rotary_emb)
+    tables = complex_tables(torch.cat([txt_freqs, img_freqs]))
+    return HostRope(tuple(tables), rotate, "complex", image_rotary_emb)
 
 
 def double_block_body(

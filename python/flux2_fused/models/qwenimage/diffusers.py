@@ -165,6 +165,7 @@ BINDING = Binding(
         "diffusers.models.attention.FeedForward",
         "diffusers.models.activations.GELU",
         "diffusers.models.normalization.AdaLayerNormContinuous",
+        "diffusers.models.normalization.RMSNorm",  # the q/k norms
     ),
     processors={f"{MODULE}.QwenDoubleStreamAttnProcessor2_0": _attention},
     forward=forward,
