@@ -4,7 +4,7 @@
 #                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
 #                          [baseline-kernel-bench] [baseline-step-bench] [parallel-bench] [pytest:ARGS]
 #                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang] [scan] [float8-compile] [clocks]
-#                          [timeline] [flux3] [qwen] [comfyui] [comfyui-tests] [comfyui-dev] [comfyui-flux1] [script:PATH ARGS]
+#                          [timeline] [flux3] [qwen] [zimage] [comfyui] [comfyui-tests] [comfyui-dev] [comfyui-flux1] [script:PATH ARGS]
 #                          [step:OPTIONS]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
@@ -156,6 +156,9 @@ for step in "$@"; do
     qwen)  # Qwen-Image's GPU tests, then its step at 1024x1024 beside torch.compile and the floor
       python3 -m pytest -q test/models/qwenimage -m gpu 2>&1 | tee "$OUT/qwen-tests.log" | tail -5 || rc=1
       step_bench step-qwen-image --config qwen-image --host diffusers --vs-compile --floor ${QWEN_ARGS:-} || rc=1 ;;
+    zimage)  # Z-Image's GPU tests, then Z-Image-Turbo's step at 1024x1024 beside torch.compile and the floor
+      python3 -m pytest -q test/models/zimage -m gpu 2>&1 | tee "$OUT/zimage-tests.log" | tail -5 || rc=1
+      step_bench step-z-image --config z-image-turbo --host diffusers --vs-compile --floor ${ZIMAGE_ARGS:-} || rc=1 ;;
     comfyui-dev)
       comfyui_core
       step_bench step-comfyui-dev --config dev --host comfyui --floor ${COMFYUI_ARGS:-} || rc=1 ;;

@@ -11,6 +11,7 @@ import pytest
 
 from flux2_fused.bench import denoise, kernel, options
 from flux2_fused.bench.qwenimage import QWEN_IMAGE_PRESETS
+from flux2_fused.bench.zimage import Z_IMAGE_PRESETS
 from flux2_fused.models.flux1 import FLUX1_PRESETS
 from flux2_fused.models.flux2 import Flux2Config
 from flux2_fused.models.flux3 import FLUX3_PRESETS
@@ -28,13 +29,16 @@ def test_the_option_lists_match_the_tables_they_mirror() -> None:
     flux1_sizes = {name for name in FLUX1_PRESETS if name != "flux1-tiny"}
     flux3_sizes = {name for name in FLUX3_PRESETS if name not in ("flux3-tiny", "flux3-small")}
     qwen_sizes = set(QWEN_IMAGE_PRESETS)
-    assert set(options.STEP_CONFIGS) <= set(options.CONFIGS) | flux1_sizes | flux3_sizes | qwen_sizes
+    z_image_sizes = set(Z_IMAGE_PRESETS)
+    diffusers_sizes = flux1_sizes | flux3_sizes | qwen_sizes | z_image_sizes
+    assert set(options.STEP_CONFIGS) <= set(options.CONFIGS) | diffusers_sizes
     assert set(options.PIPELINE_CONFIGS) <= set(options.STEP_CONFIGS)
-    assert flux1_sizes | flux3_sizes | qwen_sizes <= set(options.STEP_CONFIGS)
-    assert {options.diffusers_only(name) for name in flux1_sizes | flux3_sizes | qwen_sizes} == {
+    assert diffusers_sizes <= set(options.STEP_CONFIGS)
+    assert {options.diffusers_only(name) for name in diffusers_sizes} == {
         "FLUX.1",
         "FLUX.3",
         "Qwen-Image",
+        "Z-Image",
     }
 
 

@@ -34,10 +34,19 @@ ATTENTION_TARGETS = (
     "to_add_out",
 )
 LORA_TARGETS = (*ATTENTION_TARGETS, "to_qkv_mlp_proj", "to_out", "linear_in", "linear_out")
-# The attributes that hold a transformer's blocks: FLUX.1's and FLUX.2's double and single blocks, and
-# FLUX.3's text mode blocks and the image modes' (a ModuleDict by mode) before its joint single blocks.
-# A LoRA and a quantization reach the Linears under these; the embedders and the output stay plain.
-BLOCK_STACKS = ("transformer_blocks", "single_transformer_blocks", "txt_mode_blocks", "mode_blocks")
+# The attributes that hold a transformer's blocks: FLUX.1's and FLUX.2's double and single blocks,
+# FLUX.3's text mode blocks and the image modes' (a ModuleDict by mode) before its joint single blocks,
+# Z-Image's refiners and main layers. A LoRA and a quantization reach the Linears under these; the
+# embedders and the output stay plain.
+BLOCK_STACKS = (
+    "transformer_blocks",
+    "single_transformer_blocks",
+    "txt_mode_blocks",
+    "mode_blocks",
+    "noise_refiner",
+    "context_refiner",
+    "layers",
+)
 
 
 def check_diffusers_host(

@@ -73,7 +73,7 @@ from torch.profiler import ProfilerActivity, profile
 from ..errors import BadValue, CommandError
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from ..models.flux2.model import folder_config
-from . import comfyui, flux1, flux3, hosts, qwenimage
+from . import comfyui, flux1, flux3, hosts, qwenimage, zimage
 from .classify import tally
 from .floor import floor_step
 from .options import PX_PER_TOKEN, check_output, diffusers_only, no_package_model, require_at_least_one
@@ -195,9 +195,15 @@ def pipelined_busy_pct(step: Callable[[], object], steps: int = 5) -> float:
     return busy_pct((e.time_range.start, e.time_range.end) for e in events)
 
 
+def sample(out: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """A diffusers transformer's output as one tensor: Z-Image returns a list of per-sample latents,
+    stacked here (the same launch in every mode)."""
+    return torch.stack(out) if isinstance(out, list) else out
+
+
 # The benchmark modules of the families diffusers alone hosts: each builds its random transformer and
 # a step's inputs, and names its LoRA's target Linears.
-DIFFUSERS_FAMILIES = {"FLUX.1": flux1, "FLUX.3": flux3, "Qwen-Image": qwenimage}
+DIFFUSERS_FAMILIES = {"FLUX.1": flux1, "FLUX.3": flux3, "Qwen-Image": qwenimage, "Z-Image": zimage}
 
 
 class Subject:
@@ -292,7 +298,7 @@ class Subject:
         def run(fused: bool) -> torch.Tensor:
             self.switch(fused)
             if self.diffusers:
-                return self.model(**inputs, return_dict=False)[0]
+                return sample(self.model(**inputs, return_dict=False)[0])
             return self.model(**inputs)
 
         return run
@@ -330,7 +336,7 @@ class Subject:
                 forwards[fused] = torch.compile(self._twin(fused), dynamic=False)
             if self.comfyui:
                 return forwards[fused](**inputs)
-            return forwards[fused](**inputs, return_dict=False)[0]
+            return sample(forwards[fused](**inputs, return_dict=False)[0])
 
         return run
 

@@ -1,0 +1,119 @@
+"""Z-Image's block as functions of its modules, written against `flux2_fused.host.Host`.
+
+diffusers' `ZImageTransformerBlock` is a single-stream block over joint rows (the refiners' image or
+caption rows, the main layers' image rows then caption rows), D = 30 heads x 128 in Z-Image-Turbo:
+- with modulation (the main layers and the noise refiner) a Linear on the timestep embedding gives
+  (scale_msa, gate_msa, scale_mlp, gate_mlp), the gates through tanh and the scales as 1 + scale;
+  `x + gate_msa * attention_norm2(attention(attention_norm1(x) * scale_msa))`, then the same with
+  `ffn_norm1`/`ffn_norm2` around the feed-forward (a "sandwich" of diffusers `RMSNorm`s with weights);
+  without modulation (the caption refiner) the same with no scale or gate;
+- attention (`ZSingleStreamAttnProcessor`): q, k, v from three Linears, diffusers' `RMSNorm` per head
+  (eps 1e-5), RoPE as a complex product with per-sample frequencies [B, S, 64] in fp32, SDPA under
+  the padding mask, the output Linear;
+- the feed-forward is `w2(silu(w1(x)) * w3(x))`.
+The fused site is the attention prologue: both q/k norms and the rotation in one launch ("mean"
+norm, "complex" rotation, a table a sample), the rest as the modules' own calls in diffusers' order.
+Per-token modulation (the Omni models' `noise_mask`) runs diffusers' own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...host import Host
+from ...ops.qk_norm_rope.reference import complex_tables
+from ..common import HostRope, prologue, qkv_projections
+from ..deferral import Fusion
+
+MODULE = "diffusers.models.transformers.transformer_z_image"
+# The attention module's keyword for the padding mask.
+MASK = "attention_mask"
+
+
+def _rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """The processor's own rotation of [B, S, H, hd] rows by per-sample frequencies [B, S, hd/2], as
+    it writes it (autocast off, the complex product in fp32, back to x's dtype)."""
+    with torch.amp.autocast("cuda", enabled=False):
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * freqs_cis.unsqueeze(2)).flatten(3).type_as(x)
+
+
+def host_rope(freqs_cis: torch.Tensor) -> HostRope:
+    """Z-Image's RoPE for the prologue: the "complex" rotation with the tables of the per-sample
+    frequencies, and the processor's rotation wherever the launch declines."""
+
+    def rotate(query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rotate(query, freqs_cis), _rotate(key, freqs_cis)
+
+    return HostRope(tuple(complex_tables(freqs_cis)), rotate, "complex", freqs_cis)
+
+
+def attention(
+    attn: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    h: torch.Tensor,
+    mask: torch.Tensor | None,
+    freqs_cis: torch.Tensor,
+) -> torch.Tensor:
+    """The attention module on rows h: q, k, v from its Linears, the prologue (its two norms and the
+    rotation), the host's attention under the mask, the output Linear; the module's own call where
+    the host has no attention for it, its q/k norms are missing or its projections are fused
+    (the processor keeps using the separate Linears)."""
+    options = {MASK: mask} if mask is not None else None
+    attend = host.attention(attn, options, 0)
+    if (
+        attend is None
+        or attn.norm_q is None
+        or attn.norm_k is None
+        or getattr(attn, "fused_projections", False)
+    ):
+        return host.call(attn, h, attention_mask=mask, freqs_cis=freqs_cis)
+    query, key, value = qkv_projections(attn, host, h, ("to_q", "to_k", "to_v"), "to_qkv")
+    rope = host_rope(freqs_cis)
+    query, key, _ = prologue(host, fusion, [(query, attn.norm_q)], [(key, attn.norm_k)], rope)
+    return host.linear(attn.to_out[0], attend(query, key, value))
+
+
+def modulation(block: nn.Module, host: Host, adaln_input: torch.Tensor) -> list[torch.Tensor]:
+    """(scale_msa, gate_msa, scale_mlp, gate_mlp) [B, 1, D] as the block computes them: tanh gates,
+    1 + scale."""
+    mod = host.call(block.adaLN_modulation, adaln_input)
+    scale_msa, gate_msa, scale_mlp, gate_mlp = mod.unsqueeze(1).chunk(4, dim=2)
+    return [1.0 + scale_msa, gate_msa.tanh(), 1.0 + scale_mlp, gate_mlp.tanh()]
+
+
+def _scaled(h: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return h if scale is None else h * scale
+
+
+def _gated(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    return x + (update if gate is None else gate * update)
+
+
+def block_call(
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    x: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    freqs_cis: torch.Tensor | None,
+    adaln_input: torch.Tensor | None = None,
+    noise_mask: torch.Tensor | None = None,
+    adaln_noisy: torch.Tensor | None = None,
+    adaln_clean: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """A block as diffusers calls one (its arguments, the new rows back), in diffusers' order and
+    rounding; None (diffusers' own forward) for per-token modulation, without RoPE frequencies, or
+    where the modulated block has no timestep embedding."""
+    if noise_mask is not None or freqs_cis is None or (block.modulation and adaln_input is None):
+        return None
+    scale_msa = gate_msa = scale_mlp = gate_mlp = None
+    if block.modulation:
+        scale_msa, gate_msa, scale_mlp, gate_mlp = modulation(block, host, adaln_input)
+    h = _scaled(host.call(block.attention_norm1, x), scale_msa)
+    attn_out = attention(block.attention, host, fusion, h, attn_mask, freqs_cis)
+    x = _gated(x, host.call(block.attention_norm2, attn_out), gate_msa)
+    mlp = host.call(block.feed_forward, _scaled(host.call(block.ffn_norm1, x), scale_mlp))
+    return _gated(x, host.call(block.ffn_norm2, mlp), gate_mlp)

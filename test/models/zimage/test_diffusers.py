@@ -1,0 +1,120 @@
+"""The Z-Image family on diffusers' ZImageTransformer2DModel (tiny, CPU): `enable()` reproduces
+diffusers' forward bit for bit (fp32/bf16/fp16, batch 1 and 2 with captions of unequal length, so
+padded and masked rows), runs every block (both refiners and the main layers) through the family's
+block code, its attention prologue as one launch a block where the kernel's reference stands in for
+it, and leaves what it does not implement (per-token modulation, other attention processors or
+arguments, hooked attention modules) to diffusers' own code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from flux2_fused.integrations.diffusers import enable
+from flux2_fused.models.zimage import blocks
+from flux2_fused.ops import bits_equal
+
+from . import support
+
+zimage = pytest.importorskip("diffusers.models.transformers.transformer_z_image")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _compare(model: nn.Module, inputs: dict[str, Any]) -> int:
+    """diffusers' output and enable()'s are equal bit for bit; returns how many block calls the block
+    code computed (not declined) in the patched call."""
+    ran: list[bool] = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        out = blocks.block_call(*args, **kwargs)
+        ran.append(out is not None)
+        return out
+
+    with torch.inference_mode():
+        expected = support.sample(model(**inputs))
+        handle = enable(model)
+        for cls in list(handle.host.block_forwards):  # the forward each block's fused forward runs
+            handle.host.block_forwards[cls] = counting
+        try:
+            patched = support.sample(model(**inputs))
+        finally:
+            handle.disable()
+    assert bits_equal(patched, expected)
+    return sum(ran)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_is_diffusers_bit_for_bit(
+    dtype: torch.dtype, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = support.transformer().to(dtype)
+    assert _compare(model, support.step_inputs(batch=batch, dtype=dtype)) == support.BLOCKS
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_fused_prologue_is_diffusers_bit_for_bit(
+    dtype: torch.dtype, batch: int, prologue_on_cpu: list
+) -> None:
+    """Each block's q/k norms (diffusers' RMSNorm, eps 1e-5) and the complex rotation by its
+    per-sample frequencies as one prologue launch: diffusers' bits."""
+    model = support.transformer().to(dtype)
+    assert _compare(model, support.step_inputs(batch=batch, dtype=dtype)) == support.BLOCKS
+    assert prologue_on_cpu == [("complex", "mean", 1e-5, 1)] * support.BLOCKS
+
+
+def test_per_token_modulation_runs_diffusers_block() -> None:
+    """The Omni models' per-token modulation (a noise mask) is not the block code's: None, so the
+    class forward runs."""
+    model = support.transformer()
+    block = model.layers[0]
+    x = torch.randn(1, 8, support.TINY["dim"])
+    freqs = torch.polar(torch.ones(1, 8, 8), torch.rand(1, 8, 8))
+    mask = torch.ones(1, 8, dtype=torch.long)
+    assert blocks.block_call(block, None, None, x, None, freqs, None, mask, x[:, 0], x[:, 0]) is None
+    assert blocks.block_call(block, None, None, x, None, None, x[:, 0]) is None
+
+
+def test_a_hooked_attention_module_runs_its_own_call(
+    prologue_on_cpu: list,
+) -> None:
+    """An attention module with a hook is called as a module (its processor's norms and rotation),
+    the other blocks' prologues launch; diffusers' bits."""
+    model = support.transformer().to(torch.bfloat16)
+    seen: list[int] = []
+    model.layers[1].attention.register_forward_hook(lambda *_: seen.append(1))
+    assert _compare(model, support.step_inputs(dtype=torch.bfloat16)) == support.BLOCKS
+    assert len(seen) == 2  # diffusers' call, then the block code's
+    assert len(prologue_on_cpu) == support.BLOCKS - 1
+
+
+def test_qk_norms_the_host_does_not_vouch_for_run_as_module_calls(
+    prologue_on_cpu: list,
+) -> None:
+    """A q/k norm with a bias (not diffusers' plain RMSNorm as the prologue computes it): that block's
+    norms are module calls and its rotation the processor's; diffusers' bits."""
+    model = support.transformer().to(torch.bfloat16)
+    norm = model.layers[0].attention.norm_k
+    norm.bias = nn.Parameter(torch.randn_like(norm.weight))
+    assert _compare(model, support.step_inputs(dtype=torch.bfloat16)) == support.BLOCKS
+    assert len(prologue_on_cpu) == support.BLOCKS - 1
+
+
+def test_another_attention_processor_runs_the_module(
+    prologue_on_cpu: list,
+) -> None:
+    """A processor of another class (a user's) is the module's own call, in every block."""
+
+    class Processor(zimage.ZSingleStreamAttnProcessor):
+        pass
+
+    model = support.transformer()
+    for module in model.modules():
+        if isinstance(module, zimage.Attention):
+            module.set_processor(Processor())
+    assert _compare(model, support.step_inputs()) == support.BLOCKS
+    assert prologue_on_cpu == []
