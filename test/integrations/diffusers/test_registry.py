@@ -33,6 +33,7 @@ def test_every_registered_class_and_binding_resolves() -> None:
         "flux2_fused.models.flux1.diffusers",
         "flux2_fused.models.flux3.diffusers",
         "flux2_fused.models.qwenimage.diffusers",
+        "flux2_fused.models.zimage.diffusers",
     }
 
 

@@ -119,12 +119,15 @@ class DiffusersHost(ModuleHost):
         return self.plain(attn) and output_dropout_inactive(self, attn)
 
     @staticmethod
-    def dispatch(processor: Any) -> Attention:
+    def dispatch(
+        processor: Any, mask: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    ) -> Attention:
         """A processor's attention: diffusers' `dispatch_attention_fn` with the processor's backend
-        and parallel config, on q, k, v as the processor passes them, flattened and cast as the
-        processor does. A context-parallel config exchanges rows with the other ranks in there.
-        The function is looked up where the processor's own module finds it, so a tool that replaces
-        it there (a module-level patch) is honored as it is in diffusers' own call."""
+        and parallel config, on q, k, v as the processor passes them (under the attention mask
+        `mask(query)` builds, where the processor masks), flattened and cast as the processor does. A
+        context-parallel config exchanges rows with the other ranks in there. The function is looked
+        up where the processor's own module finds it, so a tool that replaces it there (a
+        module-level patch) is honored as it is in diffusers' own call."""
         dispatch_attention_fn = sys.modules[type(processor).__module__].dispatch_attention_fn
 
         def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -132,7 +135,7 @@ class DiffusersHost(ModuleHost):
                 query,
                 key,
                 value,
-                attn_mask=None,
+                attn_mask=None if mask is None else mask(query),
                 backend=processor._attention_backend,
                 parallel_config=processor._parallel_config,
             )

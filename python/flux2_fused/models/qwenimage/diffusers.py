@@ -63,28 +63,16 @@ def _attention(
     if not set(options) <= {MASK}:
         return None
     mask = options.get(MASK)
-    dispatch_attention_fn = sys.modules[type(processor).__module__].dispatch_attention_fn
+    if mask is None:
+        return host.dispatch(processor)
 
-    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        joint_mask = None
-        if mask is not None:
-            image = torch.ones(
-                (query.shape[0], query.shape[1] - text_tokens), dtype=torch.bool, device=query.device
-            )
-            joint_mask = torch.cat([mask, image], dim=1)[:, None, None, :]
-        out = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=joint_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=processor._attention_backend,
-            parallel_config=processor._parallel_config,
+    def joint_mask(query: torch.Tensor) -> torch.Tensor:
+        image = torch.ones(
+            (query.shape[0], query.shape[1] - text_tokens), dtype=torch.bool, device=query.device
         )
-        return out.flatten(2, 3).to(query.dtype)
+        return torch.cat([mask, image], dim=1)[:, None, None, :]
 
-    return attend
+    return host.dispatch(processor, joint_mask)
 
 
 def forward(model: nn.Module, host: DiffusersHost, fusion: Fusion, args: tuple, kwargs: dict) -> Any:

@@ -10,11 +10,9 @@ under the padding mask, as `ZSingleStreamAttnProcessor` calls it.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
 from ...host import Attention
@@ -26,31 +24,18 @@ from .blocks import MASK, MODULE, block_call
 def _attention(
     host: DiffusersHost, processor: Any, options: Mapping[str, Any], text_tokens: int
 ) -> Attention | None:
-    """`ZSingleStreamAttnProcessor`'s attention: `dispatch_attention_fn` (as its module finds it, so a
-    replacement there is honored) with the processor's backend and parallel config under the padding
-    mask ([B, S] widened to [B, 1, 1, S]), flattened and cast to q's dtype. Other arguments: the
-    module's own call."""
+    """`ZSingleStreamAttnProcessor`'s attention: diffusers' `dispatch_attention_fn` with the
+    processor's backend and parallel config under the padding mask ([B, S] widened to [B, 1, 1, S]
+    as the processor widens it), flattened and cast to q's dtype. Other arguments: the module's own
+    call."""
     if not set(options) <= {MASK}:
         return None
     mask = options.get(MASK)
-    if mask is not None and mask.ndim == 2:
+    if mask is None:
+        return host.dispatch(processor)
+    if mask.ndim == 2:
         mask = mask[:, None, None, :]
-    dispatch_attention_fn = sys.modules[type(processor).__module__].dispatch_attention_fn
-
-    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        out = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=processor._attention_backend,
-            parallel_config=processor._parallel_config,
-        )
-        return out.flatten(2, 3).to(query.dtype)
-
-    return attend
+    return host.dispatch(processor, lambda query: mask)
 
 
 def forward(model: nn.Module, host: DiffusersHost, fusion: Fusion, args: tuple, kwargs: dict) -> None:
