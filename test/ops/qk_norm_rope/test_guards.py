@@ -264,6 +264,7 @@ def test_every_decline_reason_has_a_case() -> None:
     produced += [reason for _, reason in V_CASES.values()]
     produced += [reason for _, reason in UPCAST_CASES.values()]
     produced += [reason for _, reason in MODE_CASES.values()]
+    produced += [FEW_ROWS]
     templates = reason_templates(guards, qk_norm_rope)
     assert len(templates) >= 15
     missing = untested(templates, produced)
@@ -471,14 +472,28 @@ def test_accepts_qwen_and_z_image_layouts() -> None:
     row); its weight has x's dtype, as FLUX.2's does."""
     mode = {"rotation": "complex", "norm": "mean"}
     weight = _args()[1]
-    rows = [Segment(_x(2), weight), Segment(_x(), weight)]
-    table = _table(S + 2)
-    assert decline_reason(rows, rows, table, table, [_x(2), _x()], **mode) is None
+    rows = [Segment(_x(3), weight), Segment(_x(), weight)]  # 2 x 3 x 3 and 2 x 5 x 3 head rows
+    table = _table(S + 3)
+    assert decline_reason(rows, rows, table, table, [_x(3), _x()], **mode) is None
     batched = as_cuda(torch.zeros(B, S, HEAD_DIM))
     assert decline_reason(rows[1:], rows[1:], batched, batched, **mode) is None
     assert segment_decline_reason(*_args(weight=as_cuda(torch.zeros(HEAD_DIM))), **mode) == (
         "weight is torch.float32, x is torch.bfloat16 (eager would promote)"
     )
+
+
+FEW_ROWS = "6 head rows in the segment: aten's mean sums a row in one warp from 16 rows"
+
+
+@pytest.mark.usefixtures("accept_runtime")
+def test_the_mean_norm_declines_a_segment_of_few_head_rows() -> None:
+    """diffusers' RMSNorm on fewer than 16 head rows (one token of three heads, batch 2): aten's mean
+    then spreads a row over more threads; the fused norm (aten's own kernel) is not affected."""
+    weight = _args()[1]
+    one = as_cuda(torch.zeros(B, 1, H, HEAD_DIM, dtype=BF16))
+    table = _table(1)
+    assert segment_decline_reason(one, weight, table, table, rotation="complex", norm="mean") == FEW_ROWS
+    assert segment_decline_reason(one, weight, table, table) is None
 
 
 MODE_CASES = {

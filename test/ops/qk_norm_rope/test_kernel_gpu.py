@@ -438,9 +438,10 @@ def _complex_tables(*shape: int, gen: torch.Generator) -> tuple[torch.Tensor, to
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("heads", [3, 24])
-@pytest.mark.parametrize(("txt", "img"), [(1, 7), (77, 513), (512, 4096)])
+@pytest.mark.parametrize(("txt", "img"), [(6, 7), (77, 513), (512, 4096)])
 def test_qwen_double_block_bit_exact(txt, img, heads, batch, dtype, gen):
-    """Qwen-Image's double block: text and image segments of q, k, v, one table for the joint rows."""
+    """Qwen-Image's double block: text and image segments of q, k, v (at least 16 head rows each,
+    where aten's mean keeps a row in one warp), one table for the joint rows."""
     q, k, v = _double_block((txt, img), heads, batch, dtype, gen)
     cos, sin = _complex_tables(txt + img, gen=gen)
     assert decline_reason(q, k, cos, sin, v, **QWEN) is None
@@ -561,3 +562,12 @@ def test_qwen_self_check_verdict_and_fallback(dtype, gen):
     assert fused(q, k, strided, sin, 1e-6, v, **QWEN) is None
     expected = reference.prologue(q, k, cos, sin, 1e-6, v, **QWEN)
     _assert_equal(apply(q, k, strided, sin, 1e-6, v, **QWEN), expected)
+
+
+def test_a_segment_of_few_head_rows_runs_the_eager_chain(gen):
+    """Fewer than 16 head rows in a segment (one text token of three heads): aten's mean sums a row
+    over more threads there, so the launch declines and `apply` gives the eager chain's bits."""
+    q, k, v = _double_block((1, 40), 3, 1, torch.float16, gen)
+    cos, sin = _complex_tables(41, gen=gen)
+    assert decline_reason(q, k, cos, sin, v, **QWEN) is not None
+    _assert_equal(apply(q, k, cos, sin, 1e-6, v, **QWEN), reference.prologue(q, k, cos, sin, 1e-6, v, **QWEN))

@@ -88,6 +88,22 @@ def _metadata_reason(x: Any, weight: Any, cos: Any, sin: Any, upcast: bool = Fal
     return None
 
 
+# aten's mean keeps a row in one warp (the layout the "mean" norm reproduces) where a call has at least
+# this many rows; with fewer, its reduction spreads a row over more threads (sandwich_norm alike).
+MEAN_MIN_ROWS = 16
+
+
+def _rows_reason(x: torch.Tensor) -> Reason:
+    """diffusers' RMSNorm reduces the segment's B * S * H head rows in one call: too few of them and
+    aten's mean sums a row in another order."""
+    rows = x.shape[0] * x.shape[1] * x.shape[2]
+    if rows < MEAN_MIN_ROWS:
+        return (
+            f"{rows} head rows in the segment: aten's mean sums a row in one warp from {MEAN_MIN_ROWS} rows"
+        )
+    return None
+
+
 def _mode_guards(upcast: bool, rotation: str, norm: str) -> tuple[Guard, Guard]:
     """The (segment, value) guards of one mode: its metadata checks, and the kill switch, kernel
     build and self-check of this (device, dtype) in that mode."""
@@ -100,7 +116,9 @@ def _mode_guards(upcast: bool, rotation: str, norm: str) -> tuple[Guard, Guard]:
     # weight) or 16 (the upcast mode's float32 weight), else it runs another reduction.
     segment = Guard(
         ("x", "weight", "cos", "sin"),
-        lambda *args: _metadata_reason(*args, upcast=upcast),
+        lambda *args: (
+            _metadata_reason(*args, upcast=upcast) or (_rows_reason(args[0]) if norm == "mean" else None)
+        ),
         runtime_reason,
         align=16,
     )
