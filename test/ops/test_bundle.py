@@ -165,9 +165,10 @@ def modules(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     return {path.name: path for path in (folder / "flux2_fused/ops/prebuilt").iterdir()}
 
 
-def test_the_wheel_is_a_platform_wheel_under_20_mb(wheel: Path, modules: dict[str, Path]) -> None:
+def test_the_wheel_is_a_platform_wheel_under_24_mb(wheel: Path, modules: dict[str, Path]) -> None:
+    """Five ops for six architectures and a PTX: about 21 MB."""
     assert wheel.name.endswith(f"-py3-none-{bundle.PLATFORM}.whl")
-    assert wheel.stat().st_size <= 20 * 2**20
+    assert wheel.stat().st_size <= 24 * 2**20
     manifest = json.loads(modules[jit.BUNDLE_MANIFEST].read_text())
     assert set(manifest["modules"]) == {op.name for op in OPS}
     for op in OPS:

@@ -1,15 +1,16 @@
 """Fused CUDA ops, one package each, every one bit-exact to the eager chain it replaces.
 
-Each op package (`gated_resnorm/`, `gelu_tanh/`, `qk_norm_rope/`, `swiglu/`) holds its eager reference
-(the contract), its guards, its launcher and kernel spec, its self-check and its torch.library
-operators, and exports one entry point that guards and launches, falling back to the reference. What
+Each op package (`gated_resnorm/`, `gelu_tanh/`, `qk_norm_rope/`, `swiglu/`, `sandwich_norm/`) holds
+its eager reference (the contract), its guards, its launcher and kernel spec, its self-check and (all
+but `sandwich_norm`, whose site runs its eager chain under a trace) its torch.library operators, and
+exports one entry point that guards and launches, falling back to the reference. What
 every op shares lives beside them: `jit` (building and loading kernels), `runtime` (kill switch,
 self-check verdicts), `verdicts` (guard machinery), `bits` (bit-level comparison) and `rowwise` (what
 the row-wise elementwise ops, `gelu_tanh` and `swiglu`, share). docs/architecture.md says how a new
 op plugs in.
 """
 
-from . import gated_resnorm, gelu_tanh, qk_norm_rope, swiglu
+from . import gated_resnorm, gelu_tanh, qk_norm_rope, sandwich_norm, swiglu
 from .bits import bits_equal, every_bit_pattern, random_bits
 from .runtime import (
     DISABLE_ENV,
@@ -21,7 +22,7 @@ from .runtime import (
 )
 
 # Every op with a kernel, each package exporting its FusedOp (`OP`) and its kernel's name (`KERNEL`).
-_PACKAGES = (gated_resnorm, qk_norm_rope, swiglu, gelu_tanh)
+_PACKAGES = (gated_resnorm, qk_norm_rope, swiglu, gelu_tanh, sandwich_norm)
 # `flux2-fused build` compiles their specs, `flux2-fused verify` runs their self-checks.
 OPS: tuple[FusedOp, ...] = tuple(package.OP for package in _PACKAGES)
 # Their kernels, by the name profilers show inside each launch's templated signature: how the
@@ -42,6 +43,7 @@ __all__ = [
     "module_sources",
     "qk_norm_rope",
     "random_bits",
+    "sandwich_norm",
     "self_check_records",
     "swiglu",
 ]

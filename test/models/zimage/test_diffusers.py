@@ -67,6 +67,50 @@ def test_the_fused_prologue_is_diffusers_bit_for_bit(
     assert prologue_on_cpu == [("complex", "mean", 1e-5, 1)] * support.BLOCKS
 
 
+@pytest.fixture
+def sandwich_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool, bool, bool]]:
+    """The sandwich_norm 'kernel' as its reference (its contract), so the CPU runs the block code's
+    fused sandwich sites at any width; one (update, gate, next norm, scale) entry a launch."""
+    from flux2_fused.ops import sandwich_norm
+
+    launches: list[tuple[bool, bool, bool, bool]] = []
+
+    def fused(x, weight, eps, scale=None, update=None, update_weight=None, gate=None):
+        launches.append((update is not None, gate is not None, weight is not None, scale is not None))
+        return sandwich_norm.reference.sandwich(x, weight, eps, scale, update, update_weight, gate)
+
+    monkeypatch.setattr(sandwich_norm, "fused", fused)
+    return launches
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_fused_sandwich_sites_are_diffusers_bit_for_bit(
+    dtype: torch.dtype, batch: int, sandwich_on_cpu: list, prologue_on_cpu: list
+) -> None:
+    """Every block's four sandwich norms as three launches (the first norm times the scale; the
+    attention's gated update with the feed-forward's first norm and scale; the feed-forward's gated
+    update), ungated and unscaled in the caption refiner, with the prologue: diffusers' bits."""
+    model = support.transformer().to(dtype)
+    assert _compare(model, support.step_inputs(batch=batch, dtype=dtype)) == support.BLOCKS
+    modulated = [(False, False, True, True), (True, True, True, True), (True, True, False, False)]
+    plain = [(False, False, True, False), (True, False, True, False), (True, False, False, False)]
+    refiners = support.TINY["n_refiner_layers"]
+    expected = modulated * refiners + plain * refiners + modulated * support.TINY["n_layers"]
+    assert sandwich_on_cpu == expected
+    assert len(prologue_on_cpu) == support.BLOCKS
+
+
+def test_a_hooked_sandwich_norm_runs_the_blocks_module_calls(sandwich_on_cpu: list) -> None:
+    """A hook on one of a block's sandwich norms: that block's four norms are module calls (the hook
+    runs), the other blocks' sites launch; diffusers' bits."""
+    model = support.transformer().to(torch.bfloat16)
+    seen: list[int] = []
+    model.layers[0].ffn_norm2.register_forward_hook(lambda *_: seen.append(1))
+    assert _compare(model, support.step_inputs(dtype=torch.bfloat16)) == support.BLOCKS
+    assert len(seen) == 2 and len(sandwich_on_cpu) == 3 * (support.BLOCKS - 1)
+
+
 def test_per_token_modulation_runs_diffusers_block() -> None:
     """The Omni models' per-token modulation (a noise mask) is not the block code's: None, so the
     class forward runs."""

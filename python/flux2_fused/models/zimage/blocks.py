@@ -11,17 +11,22 @@ caption rows, the main layers' image rows then caption rows), D = 30 heads x 128
   (eps 1e-5), RoPE as a complex product with per-sample frequencies [B, S, 64] in fp32, SDPA under
   the padding mask, the output Linear;
 - the feed-forward is `w2(silu(w1(x)) * w3(x))`.
-The fused site is the attention prologue: both q/k norms and the rotation in one launch ("mean"
-norm, "complex" rotation, a table a sample), the rest as the modules' own calls in diffusers' order.
+The fused sites are the attention prologue (both q/k norms and the rotation in one launch: "mean"
+norm, "complex" rotation, a table a sample) and the sandwich norms (`sandwich_norm`: three launches a
+block, each a norm of a block output with its gated residual and the next norm with its scale); the
+modulation, the projections and the feed-forward are the modules' own calls in diffusers' order.
 Per-token modulation (the Omni models' `noise_mask`) runs diffusers' own forward.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from ...host import Host
+from ...ops import sandwich_norm
 from ...ops.qk_norm_rope.reference import complex_tables
 from ..common import HostRope, prologue, qkv_projections
 from ..deferral import Fusion
@@ -92,6 +97,16 @@ def _gated(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None) -> 
     return x + (update if gate is None else gate * update)
 
 
+def sandwich_weights(host: Host, block: nn.Module) -> tuple[list[torch.Tensor], float] | None:
+    """The weights of the block's four sandwich norms (NORMS order) and their one eps, where the host
+    vouches for each as diffusers' plain `RMSNorm` (the "mean" arithmetic `sandwich_norm` computes);
+    None where one is not (a hook, another class) or they differ in eps."""
+    params = [host.rms_norm(getattr(block, name)) for name in NORMS]
+    if any(p is None or p.norm != "mean" for p in params) or len({p.eps for p in params}) != 1:
+        return None
+    return [p.weight for p in params], params[0].eps
+
+
 def block_call(
     block: nn.Module,
     host: Host,
@@ -105,15 +120,32 @@ def block_call(
     adaln_clean: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """A block as diffusers calls one (its arguments, the new rows back), in diffusers' order and
-    rounding; None (diffusers' own forward) for per-token modulation, without RoPE frequencies, or
-    where the modulated block has no timestep embedding."""
+    rounding: its sandwich norms as three `sandwich_norm` sites (the first norm times the scale; the
+    attention's gated update with the feed-forward's first norm; the feed-forward's gated update)
+    where the host vouches for all four, else their module calls. None (diffusers' own forward) for
+    per-token modulation, without RoPE frequencies, or where the modulated block has no timestep
+    embedding."""
     if noise_mask is not None or freqs_cis is None or (block.modulation and adaln_input is None):
         return None
     scale_msa = gate_msa = scale_mlp = gate_mlp = None
     if block.modulation:
         scale_msa, gate_msa, scale_mlp, gate_mlp = modulation(block, host, adaln_input)
-    h = _scaled(host.call(block.attention_norm1, x), scale_msa)
+    weights = sandwich_weights(host, block)
+    if weights is None:
+        h = _scaled(host.call(block.attention_norm1, x), scale_msa)
+        attn_out = attention(block.attention, host, fusion, h, attn_mask, freqs_cis)
+        x = _gated(x, host.call(block.attention_norm2, attn_out), gate_msa)
+        mlp = host.call(block.feed_forward, _scaled(host.call(block.ffn_norm1, x), scale_mlp))
+        return _gated(x, host.call(block.ffn_norm2, mlp), gate_mlp)
+    (attention_norm1, attention_norm2, ffn_norm1, ffn_norm2), eps = weights
+    site = partial(sandwich_norm.apply, eps=eps, enabled=fusion.fused)
+    h, _ = site(x, attention_norm1, scale=scale_msa)
     attn_out = attention(block.attention, host, fusion, h, attn_mask, freqs_cis)
-    x = _gated(x, host.call(block.attention_norm2, attn_out), gate_msa)
-    mlp = host.call(block.feed_forward, _scaled(host.call(block.ffn_norm1, x), scale_mlp))
-    return _gated(x, host.call(block.ffn_norm2, mlp), gate_mlp)
+    h, x = site(x, ffn_norm1, scale=scale_mlp, update=attn_out, update_weight=attention_norm2, gate=gate_msa)
+    mlp = host.call(block.feed_forward, h)
+    _, x = site(x, None, update=mlp, update_weight=ffn_norm2, gate=gate_mlp)
+    return x
+
+
+# The block's sandwich norms: attention's pair, then the feed-forward's.
+NORMS = ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2")
