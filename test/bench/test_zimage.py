@@ -52,3 +52,23 @@ def test_the_output_list_is_stacked() -> None:
     out = [torch.ones(2, 1, 3, 3), torch.zeros(2, 1, 3, 3)]
     assert sample(out).shape == (2, 2, 1, 3, 3)
     assert sample(out[0]) is out[0]
+
+
+@pytest.mark.parametrize("setup", ["lora", "int8"])
+def test_a_lora_or_int8_linears_give_diffusers_output(setup: str, prologue_on_cpu: list) -> None:
+    """A peft LoRA on every block's projections (or torchao int8 linears): diffusers' forward and
+    enable()'s equal, every block's attention through the block code (its prologue launched)."""
+    pytest.importorskip("peft" if setup == "lora" else "torchao")
+    model = _tiny()
+    if setup == "lora":
+        hosts.add_lora(model, 2, targets=zimage.LORA_TARGETS)
+    else:
+        hosts.quantize(model, "int8")
+        assert type(model.layers[0].attention.to_q.weight) is not torch.nn.Parameter
+    inputs = support.step_inputs()
+    with torch.inference_mode():
+        plain = support.sample(model(**inputs))
+        hosts.use_fused(model, True)
+        fused = support.sample(model(**inputs))
+    assert torch.equal(fused, plain)
+    assert len(prologue_on_cpu) == support.BLOCKS

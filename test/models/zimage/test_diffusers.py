@@ -162,3 +162,42 @@ def test_another_attention_processor_runs_the_module(
             module.set_processor(Processor())
     assert _compare(model, support.step_inputs()) == support.BLOCKS
     assert prologue_on_cpu == []
+
+
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+def test_group_offload(offload_type: str, sandwich_on_cpu: list) -> None:
+    """diffusers' group offloading (CPU to CPU here): a block wrapped whole runs the block code under
+    the offload hooks; leaf-level hooks on the norms make them module calls (no longer plain)."""
+    model = support.transformer()
+    cpu = torch.device("cpu")
+    kwargs = {"num_blocks_per_group": 1} if offload_type == "block_level" else {}
+    model.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type=offload_type, **kwargs)
+    assert _compare(model, support.step_inputs()) == support.BLOCKS
+    assert len(sandwich_on_cpu) == (3 * support.BLOCKS if offload_type == "block_level" else 0)
+
+
+def test_torch_compile_of_the_patched_transformer() -> None:
+    """torch.compile of the patched transformer traces diffusers' forward and, inside it, each block's
+    class forward (the fused block forward steps aside under a trace): diffusers' output."""
+    model = support.transformer()
+    inputs = support.step_inputs()
+    with torch.inference_mode():
+        expected = support.sample(model(**inputs))
+        handle = enable(model)
+        try:
+            compiled = support.sample(torch.compile(model, backend="eager")(**inputs))
+        finally:
+            handle.disable()
+            torch.compiler.reset()
+    assert bits_equal(compiled, expected)
+
+
+def test_fused_projections_run_the_attention_module(prologue_on_cpu: list) -> None:
+    """`fuse_projections()` adds a fused qkv Linear that Z-Image's processor never uses: the attention
+    runs as the module's own call, with its bits."""
+    model = support.transformer()
+    for module in model.modules():
+        if isinstance(module, zimage.Attention):
+            module.fuse_projections()
+    assert _compare(model, support.step_inputs()) == support.BLOCKS
+    assert prologue_on_cpu == []
