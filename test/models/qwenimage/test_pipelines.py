@@ -103,3 +103,30 @@ def test_controlnet(monkeypatch: pytest.MonkeyPatch) -> None:
         pipe, monkeypatch, control_image=control, controlnet_conditioning_scale=0.8, height=32, width=32
     )
     assert runs == 2 * 2 * support.TINY["num_layers"]
+
+
+def test_edit_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """QwenImageEditPipeline (a model without zero-timestep conditioning): the condition image's
+    latents join the image rows, and every block runs the block code. The pipeline sizes its condition
+    image to a 1024x1024 area; here that area is 32x32 in both runs (its `calculate_dimensions` made
+    small), so the CPU's VAE stays quick."""
+    from diffusers import QwenImageEditPipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit
+    from PIL import Image
+
+    original = edit.calculate_dimensions
+    monkeypatch.setattr(edit, "calculate_dimensions", lambda area, ratio: original(32 * 32, ratio))
+    base = support.pipeline(support.transformer())
+    pipe = QwenImageEditPipeline(
+        scheduler=base.scheduler,
+        vae=base.vae,
+        text_encoder=None,
+        tokenizer=None,
+        processor=None,
+        transformer=base.transformer,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    pixels = (torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(3)) * 255).to(torch.uint8)
+    image = Image.fromarray(pixels.numpy())
+    runs = _images_both_ways(pipe, monkeypatch, image=image, true_cfg_scale=2.0, height=32, width=32)
+    assert runs == 2 * 2 * support.TINY["num_layers"]
