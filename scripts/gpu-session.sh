@@ -156,9 +156,12 @@ for step in "$@"; do
     qwen)  # Qwen-Image's GPU tests, then its step at 1024x1024 beside torch.compile and the floor
       python3 -m pytest -q test/models/qwenimage -m gpu 2>&1 | tee "$OUT/qwen-tests.log" | tail -5 || rc=1
       step_bench step-qwen-image --config qwen-image --host diffusers --vs-compile --floor ${QWEN_ARGS:-} || rc=1 ;;
-    zimage)  # Z-Image's GPU tests, then Z-Image-Turbo's step at 1024x1024 beside torch.compile and the floor
+    zimage)  # Z-Image's GPU tests, Z-Image-Turbo's step at 1024x1024 beside torch.compile and the floor,
+      # and its sandwich-norm sites in the kernel benchmark
       python3 -m pytest -q test/models/zimage -m gpu 2>&1 | tee "$OUT/zimage-tests.log" | tail -5 || rc=1
-      step_bench step-z-image --config z-image-turbo --host diffusers --vs-compile --floor ${ZIMAGE_ARGS:-} || rc=1 ;;
+      step_bench step-z-image --config z-image-turbo --host diffusers --vs-compile --floor ${ZIMAGE_ARGS:-} || rc=1
+      python3 -m flux2_fused kernel --op sandwich_norm --json "$OUT/kernel-sandwich_norm.json" --no-compile 2>&1 |
+        tee "$OUT/kernel-sandwich_norm.log" || rc=1 ;;
     comfyui-dev)
       comfyui_core
       step_bench step-comfyui-dev --config dev --host comfyui --floor ${COMFYUI_ARGS:-} || rc=1 ;;

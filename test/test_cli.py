@@ -472,7 +472,7 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
         (
             ["kernel", "--op", "rmsnorm"],
             "argument --op: invalid choice: 'rmsnorm' "
-            "(choose from gated_resnorm, qk_norm_rope, swiglu, gelu_tanh)",
+            "(choose from gated_resnorm, qk_norm_rope, sandwich_norm, swiglu, gelu_tanh)",
         ),
         (["kernel", "--shapes"], "argument --shapes: expected at least one argument"),
         (["verify", "--all"], "unrecognized arguments: --all"),
@@ -586,12 +586,15 @@ def test_verify_without_cuda_shows_the_installed_bundle(
     built = f"a JIT build with nvcc at /opt/cuda/bin/nvcc (cached in {tmp_path / 'cache'})"
     fallback = built if toolkit else "none: no bundled module, and nvcc not found"
     bundled = [f"bundled ({op.spec.library}): sm 9.0 10.0, PTX 10.0 for newer GPUs" for op in OPS[:2]]
-    assert _module_rows(out) == {
-        OPS[0].name: f"{bundled[0]}, else {built}" if toolkit else bundled[0],
-        OPS[1].name: f"{bundled[1]}, else {built}" if toolkit else bundled[1],
-        OPS[2].name: fallback,  # its bundled module was built from other sources
-        OPS[3].name: fallback,  # not in the bundle
-    }
+    assert (
+        _module_rows(out)
+        == {
+            OPS[0].name: f"{bundled[0]}, else {built}" if toolkit else bundled[0],
+            OPS[1].name: f"{bundled[1]}, else {built}" if toolkit else bundled[1],
+            OPS[2].name: fallback,  # its bundled module was built from other sources
+            **{op.name: fallback for op in OPS[3:]},  # not in the bundle
+        }
+    )
 
 
 @no_cuda

@@ -23,6 +23,8 @@ from flux2_fused.errors import BadValue
         ("qk_norm_rope", "24x4608:single", (24, 4608, "single")),
         ("qk_norm_rope", "24x4096:upcast", (24, 4096, "upcast")),
         ("qk_norm_rope", "24x4608:qwen", (24, 4608, "qwen")),
+        ("sandwich_norm", "3840x4608", (3840, 4608, "")),
+        ("sandwich_norm", "3840x4608:last", (3840, 4608, "last")),
     ],
 )
 def test_each_ops_layouts_parse(op: str, item: str, parsed: tuple[int, int, str]) -> None:
@@ -38,6 +40,7 @@ def test_each_ops_layouts_parse(op: str, item: str, parsed: tuple[int, int, str]
         ("qk_norm_rope", "24x4608:token"),
         ("swiglu", "9216x4608:update2"),
         ("gelu_tanh", "12288x4608:upcast"),
+        ("sandwich_norm", "3840x4608:twin"),
     ],
 )
 def test_another_ops_layout_is_refused_naming_the_forms(op: str, item: str) -> None:

@@ -21,6 +21,10 @@ Sites (`--op`), the floors' bytes counted for bf16:
   q and k of T rows in, the norm (a float32 weight) and RoPE in fp32, one rounding at the end, q and
   k out (8 bytes an element of q). HxT:qwen is Qwen-Image's double block prologue: the double
   block's rows and bytes, with diffusers' `RMSNorm` modules (pow/mean) and the complex rotation.
+- sandwich_norm, shapes DxT: Z-Image's middle sandwich site [B, T, D]: the attention output's
+  diffusers `RMSNorm`, its gated residual into the stream and the feed-forward's `RMSNorm` times its
+  scale (8 bytes an element: read the stream and the update, write the stream and the output);
+  DxT:first the block's first norm times its scale (4 bytes), DxT:last its last gated update (6).
 - swiglu, shapes HxT: one feed-forward activation, the [B, T, 2H] projection in, [B, T, H] out; the
   floor moves 6 bytes an output element.
 - gelu_tanh, shapes HxT: one FLUX.1 MLP activation (`gelu(approximate="tanh")`), [B, T, H] in and
@@ -46,7 +50,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import BadValue
-from ..ops import bits_equal, gated_resnorm, gelu_tanh, qk_norm_rope, swiglu
+from ..ops import bits_equal, gated_resnorm, gelu_tanh, qk_norm_rope, sandwich_norm, swiglu
 from ..ops.qk_norm_rope.selfcheck import HEAD_DIM, rope_tables
 from .options import require_at_least_one
 from .report import KernelReport, KernelRow, format_kernel_table, write_json
@@ -84,6 +88,8 @@ DEFAULT_SHAPES = {
         # Qwen-Image at 1024x1024: its 60 double blocks' prologue (512 text + 4096 image rows).
         "24x4608:qwen",
     ],
+    # Z-Image-Turbo at 1024x1024: its main layers' joint rows (4096 image + 512 caption tokens).
+    "sandwich_norm": ["3840x4608", "3840x4608:first", "3840x4608:last"],
     "swiglu": ["9216x4608", "18432x4608", "9216x512", "18432x4096"],
     # FLUX.1-dev's MLP (3072 x 4): the single block's joint rows, the image rows, the text rows.
     "gelu_tanh": ["12288x4608", "12288x4096", "12288x512"],
@@ -92,12 +98,14 @@ DEFAULT_SHAPES = {
 SHAPE_FORMS = {
     "gated_resnorm": "DxT, DxT:token, DxT:update2 or DxT:twin (hidden x tokens, e.g. 6144x4608)",
     "qk_norm_rope": "HxT, HxT:single, HxT:upcast or HxT:qwen (heads x joint tokens, e.g. 24x4608)",
+    "sandwich_norm": "DxT, DxT:first or DxT:last (hidden x tokens, e.g. 3840x4608)",
     "swiglu": "HxT (hidden x tokens, e.g. 9216x4608)",
     "gelu_tanh": "HxT (hidden x tokens, e.g. 12288x4608)",
 }
 LAYOUTS = {
     "gated_resnorm": ("", "token", "update2", "twin"),
     "qk_norm_rope": ("", "single", "upcast", "qwen"),
+    "sandwich_norm": ("", "first", "last"),
     "swiglu": ("",),
     "gelu_tanh": ("",),
 }
@@ -259,6 +267,41 @@ def qk_norm_rope_case(heads: int, tokens: int, batch: int, dtype: torch.dtype, l
     return Case(sets, eager, fused, floor_bytes, width, f"qk_norm_rope {layout}".strip())
 
 
+def sandwich_norm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, layout: str = "") -> Case:
+    """One of Z-Image's sandwich sites [B, T, D] (see the module docstring): the middle one (layout
+    ""), the block's first norm ("first") or its last update ("last"), gates and scales one row a
+    sample, eps 1e-5."""
+    _check_layout("sandwich_norm", layout)
+
+    def rows(std: float = 1.0) -> torch.Tensor:
+        return (torch.randn(batch, tokens, width, device="cuda") * std).to(dtype)
+
+    def vector() -> torch.Tensor:
+        return torch.randn(width, device="cuda").to(dtype)
+
+    def batch_rows() -> torch.Tensor:
+        return torch.randn(batch, 1, width, device="cuda").to(dtype)
+
+    def make() -> tuple:
+        x, weight, scale = rows(), vector(), batch_rows()
+        if layout == "first":
+            return (x, weight, 1e-5, scale)
+        update, update_weight, gate = rows(4.0), vector(), batch_rows().tanh()
+        if layout == "last":
+            return (x, None, 1e-5, None, update, update_weight, gate)
+        return (x, weight, 1e-5, scale, update, update_weight, gate)
+
+    elements = batch * tokens * width
+    floor_bytes = {"": 4, "first": 2, "last": 3}[layout] * elements * dtype.itemsize
+    sets = _sets(make, floor_bytes)
+    if sandwich_norm.decline_reason(*sets[0]) is not None:
+        raise RuntimeError(f"fused path declined D={width} T={tokens} {layout or 'middle'}")
+    label = f"sandwich_norm {layout}".strip()
+    return Case(
+        sets, sandwich_norm.reference.sandwich, sandwich_norm.sandwich_norm, floor_bytes, width, label
+    )
+
+
 def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
     """One feed-forward activation: the [B, T, 2H] projection in, [B, T, H] out."""
 
@@ -290,6 +333,7 @@ def gelu_tanh_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype) -> 
 CASES = {
     "gated_resnorm": gated_resnorm_case,
     "qk_norm_rope": qk_norm_rope_case,
+    "sandwich_norm": sandwich_norm_case,
     "swiglu": swiglu_case,
     "gelu_tanh": gelu_tanh_case,
 }

@@ -233,7 +233,7 @@ OFFLOADS = ("none", "model", "group")
 # torchao quantizations of the diffusers host's linears (`bench.hosts.QUANTIZATIONS` builds them).
 QUANTIZATIONS = ("none", "float8-row", "float8-tensor", "int8")
 # `flux2-fused kernel`
-KERNEL_OPS = ("gated_resnorm", "qk_norm_rope", "swiglu", "gelu_tanh")  # kernel.CASES' names
+KERNEL_OPS = ("gated_resnorm", "qk_norm_rope", "sandwich_norm", "swiglu", "gelu_tanh")  # kernel.CASES' names
 KERNEL_DTYPES = ("bf16", "fp16")  # kernel.DTYPES' names
 
 
@@ -414,9 +414,9 @@ def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
         help="gated_resnorm: DxT items, e.g. 6144x4608, FLUX.3's sites DxT:token (per-token modulation), "
         "DxT:update2 (and a two-term update), DxT:twin (its twin norms, the first 512 tokens text); "
         "qk_norm_rope: HxT (heads x joint tokens) for a double block's prologue, e.g. 24x4608, HxT:single "
-        "for a single block's, HxT:upcast for FLUX.3's fp32 one, HxT:qwen for Qwen-Image's; swiglu, "
-        "gelu_tanh: HxT (hidden x tokens) "
-        "(default: the op's headline shapes, FLUX.2's and FLUX.3's)",
+        "for a single block's, HxT:upcast for FLUX.3's fp32 one, HxT:qwen for Qwen-Image's; sandwich_norm: "
+        "DxT for Z-Image's middle sandwich site, DxT:first, DxT:last; swiglu, gelu_tanh: HxT (hidden x "
+        "tokens) (default: the op's headline shapes)",
     )
     parser.add_argument(
         "--batch", type=int, default=1, metavar="B", help="batch size B of [B, T, D] (default 1)"
