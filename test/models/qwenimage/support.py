@@ -59,11 +59,12 @@ def step_inputs(
     }
 
 
-def pipeline(transformer: torch.nn.Module, cls: type | None = None) -> Any:
+def pipeline(transformer: torch.nn.Module, cls: type | None = None, **components: Any) -> Any:
     """A Qwen-Image pipeline (`cls`, default QwenImagePipeline) around `transformer`: a two-level
     AutoencoderKLQwenImage of 4 latent channels (the tiny transformer's 16 inputs are 2x2 packed
     latents), diffusers' default scheduler, no text encoder (callers pass prompt embeddings and
-    masks); the progress bar off."""
+    masks), the pipeline's other `components` (a ControlNet, the edit pipelines' processor); the
+    progress bar off."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
     torch.manual_seed(0)
@@ -82,6 +83,7 @@ def pipeline(transformer: torch.nn.Module, cls: type | None = None) -> Any:
         text_encoder=None,
         tokenizer=None,
         transformer=transformer,
+        **components,
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe

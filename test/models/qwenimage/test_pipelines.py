@@ -88,16 +88,7 @@ def test_controlnet(monkeypatch: pytest.MonkeyPatch) -> None:
 
     torch.manual_seed(0)
     controlnet = QwenImageControlNetModel(**{**support.TINY, "num_layers": 1}).eval()
-    base = support.pipeline(support.transformer())
-    pipe = QwenImageControlNetPipeline(
-        scheduler=base.scheduler,
-        vae=base.vae,
-        text_encoder=None,
-        tokenizer=None,
-        transformer=base.transformer,
-        controlnet=controlnet,
-    )
-    pipe.set_progress_bar_config(disable=True)
+    pipe = support.pipeline(support.transformer(), QwenImageControlNetPipeline, controlnet=controlnet)
     control = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     runs = _images_both_ways(
         pipe, monkeypatch, control_image=control, controlnet_conditioning_scale=0.8, height=32, width=32
@@ -116,16 +107,7 @@ def test_edit_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
 
     original = edit.calculate_dimensions
     monkeypatch.setattr(edit, "calculate_dimensions", lambda area, ratio: original(32 * 32, ratio))
-    base = support.pipeline(support.transformer())
-    pipe = QwenImageEditPipeline(
-        scheduler=base.scheduler,
-        vae=base.vae,
-        text_encoder=None,
-        tokenizer=None,
-        processor=None,
-        transformer=base.transformer,
-    )
-    pipe.set_progress_bar_config(disable=True)
+    pipe = support.pipeline(support.transformer(), QwenImageEditPipeline, processor=None)
     pixels = (torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(3)) * 255).to(torch.uint8)
     image = Image.fromarray(pixels.numpy())
     runs = _images_both_ways(pipe, monkeypatch, image=image, true_cfg_scale=2.0, height=32, width=32)
