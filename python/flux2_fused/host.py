@@ -185,6 +185,21 @@ def module_function(fn: Any, module_name: str) -> bool:
     )
 
 
+# Verdicts of `functions_own`, by the function objects looked at (a replacement is another key).
+_function_verdicts: dict[tuple[tuple[Any, str], ...], bool] = {}
+
+
+@torch._dynamo.assume_constant_result
+def functions_own(functions: tuple[tuple[Any, str], ...]) -> bool:
+    """Whether each (function, module name) is that module's own function (`module_function`), kept
+    per function objects (it reads files, once). A torch.compile trace takes it as a constant."""
+    verdict = _function_verdicts.get(functions)
+    if verdict is None:
+        verdict = all(module_function(fn, name) for fn, name in functions)
+        _function_verdicts[functions] = verdict
+    return verdict
+
+
 def _replacement(cls: type, names: tuple[str, ...]) -> tuple[str, Any] | None:
     """The first of `names` whose function along `cls`'s MRO is not its owner's own, with that
     function; None where every one is."""

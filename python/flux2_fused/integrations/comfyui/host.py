@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...host import Attention, ModuleHost, RMSNormParameters, methods_unpatched, module_function, unwrapped
+from ...host import Attention, ModuleHost, RMSNormParameters, functions_own, methods_unpatched, unwrapped
 
 FLUX_MATH = "comfy.ldm.flux.math"
 FLUX_LAYERS = "comfy.ldm.flux.layers"
@@ -55,22 +55,6 @@ class View:
         return f"View({', '.join(type(m).__name__ for m in self.modules)})"
 
 
-# Verdicts of `_functions_own`, by the function objects looked at (a replacement is another key).
-_verdicts: dict[tuple[tuple[Any, str], ...], bool] = {}
-
-
-@torch._dynamo.assume_constant_result
-def _functions_own(functions: tuple[tuple[Any, str], ...]) -> bool:
-    """Whether each (function, module name) is that ComfyUI module's own function, kept per function
-    objects (it reads files, once). A torch.compile trace (ComfyUI's TorchCompileModel) takes it as
-    a constant."""
-    verdict = _verdicts.get(functions)
-    if verdict is None:
-        verdict = all(module_function(fn, name) for fn, name in functions)
-        _verdicts[functions] = verdict
-    return verdict
-
-
 def flux_math_unpatched() -> bool:
     """ComfyUI's FLUX attention path is its own: the blocks' `attention` and the `apply_rope` it calls
     are `comfy.ldm.flux.math`'s functions. A tool that replaces either (a custom attention or RoPE)
@@ -79,7 +63,7 @@ def flux_math_unpatched() -> bool:
     if math is None or layers is None:
         return False
     functions = (layers.attention, math.attention, math.apply_rope)
-    return _functions_own(tuple((fn, FLUX_MATH) for fn in functions))
+    return functions_own(tuple((fn, FLUX_MATH) for fn in functions))
 
 
 # ComfyUI's attention functions checked with the node's [B, H, S, hd] views: PyTorch's SDPA (its
@@ -91,7 +75,7 @@ def checked_attention() -> bool:
     """Whether ComfyUI's `optimized_attention` is one of CHECKED_ATTENTION, ComfyUI's own function."""
     fn = getattr(sys.modules.get(FLUX_MATH), "optimized_attention", None)
     inner = getattr(fn, "__wrapped__", fn)  # under ComfyUI's `wrap_attn`
-    return getattr(inner, "__name__", None) in CHECKED_ATTENTION and _functions_own(
+    return getattr(inner, "__name__", None) in CHECKED_ATTENTION and functions_own(
         ((inner, "comfy.ldm.modules.attention"),)
     )
 
@@ -124,12 +108,12 @@ def rope_rotation(dtype: torch.dtype, pe: torch.Tensor) -> str | None:
     management, quant_ops = sys.modules.get("comfy.model_management"), sys.modules.get("comfy.quant_ops")
     if getattr(management, "in_training", False):  # `comfy.ldm.flux.math._apply_rope`: torch
         math = sys.modules[FLUX_MATH]
-        own = _functions_own(
+        own = functions_own(
             tuple((fn, FLUX_MATH) for fn in (math._apply_rope, math.apply_rope1, math._apply_rope1))
         )
         return "addcmul" if own else None
     kitchen = getattr(quant_ops, "ck", None)
-    if kitchen is None or not _functions_own(((kitchen.apply_rope, "comfy_kitchen"),)):
+    if kitchen is None or not functions_own(((kitchen.apply_rope, "comfy_kitchen"),)):
         return None  # no comfy-kitchen (ComfyUI's RoPE would fail), or its apply_rope replaced
     stand_in = torch.empty((0, 0, 0, 0), dtype=dtype, device=pe.device)
     try:

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from ...host import Host, module_function
+from ...host import Host, functions_own
 from ...ops.qk_norm_rope.reference import complex_tables
 from ..common import HostRope, Options, double_block_mlps, layer_norms_plain, split_modulation
 from ..deferral import Fusion, Stream, materialize, stream_dtype
@@ -88,7 +88,7 @@ def host_rope(image_rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> HostRope:
             rotated.append(torch.cat([apply(txt, txt_freqs, use_real=False), img], dim=1))
         return rotated[0], rotated[1]
 
-    if not module_function(sys.modules[MODULE].apply_rotary_emb_qwen, MODULE):
+    if not functions_own(((sys.modules[MODULE].apply_rotary_emb_qwen, MODULE),)):
         return HostRope((), rotate, embedding=image_rotary_emb)
     tables = complex_tables(torch.cat([txt_freqs, img_freqs]))
     return HostRope(tuple(tables), rotate, "complex", image_rotary_emb)
