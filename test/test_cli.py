@@ -853,8 +853,11 @@ def _help(args: list[str]) -> str:
 
 
 def test_help_speaks_of_the_product_as_it_is() -> None:
-    """Both families, four ops, every pipeline the pipeline benchmark calls."""
-    assert "Bit-exact fused CUDA kernels for FLUX.2 and FLUX.1 transformers" in _help([])
+    """Every family, every op, every pipeline the pipeline benchmark calls."""
+    assert (
+        "Bit-exact fused CUDA kernels for diffusion transformers (FLUX.3, FLUX.2, FLUX.1, Qwen-Image, "
+        "Z-Image)" in _help([])
+    )
     verify = _help(["verify"])
     assert all(op in verify for op in options.KERNEL_OPS) and "the fused kernel " not in verify
     assert "where each op's module came from" in verify and "without a GPU" in verify

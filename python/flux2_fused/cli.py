@@ -58,8 +58,8 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
     """The top-level parser and its subcommand parsers by name."""
     parser = Parser(
         prog=PROG,
-        description="Bit-exact fused CUDA kernels for FLUX.2 and FLUX.1 transformers: benchmark, verify, "
-        "build.",
+        description="Bit-exact fused CUDA kernels for diffusion transformers (FLUX.3, FLUX.2, FLUX.1, "
+        "Qwen-Image, Z-Image): benchmark, verify, build.",
     )
     parser.add_argument(
         "--debug",
