@@ -40,15 +40,18 @@ def _rows_reason(name: str, t: Any, like: torch.Tensor | None = None) -> Reason:
     return None
 
 
-def _vector_reason(name: str, t: Any, x: torch.Tensor, shape: tuple[int, ...]) -> Reason:
+def _operand_reason(
+    name: str, t: Any, x: torch.Tensor, shapes: set[tuple[int, ...]], expected: str
+) -> Reason:
+    """A weight, gate or scale: a contiguous tensor of x's dtype and device, of one of `shapes`."""
     if not isinstance(t, torch.Tensor):
         return TypeReason(f"{name} is not a tensor")
     if t.dtype != x.dtype or t.device != x.device:
         return TypeReason(
             f"{name} is {t.dtype} on {t.device}, x {x.dtype} on {x.device} (eager would promote)"
         )
-    if tuple(t.shape) not in {shape, (1, *shape[1:])} or not t.is_contiguous():
-        return f"{name} must be contiguous {list(shape)}, got {tuple(t.shape)}"
+    if tuple(t.shape) not in shapes or not t.is_contiguous():
+        return f"{name} must be {expected}, got {tuple(t.shape)}"
     return None
 
 
@@ -83,34 +86,18 @@ def metadata_reason(
         return "a gate needs an update"
     if scale is not None and weight is None:
         return "a scale needs a next norm"
-    batch_rows = (x.shape[0], 1, hidden)
-    checks = (
-        ("weight", weight, (hidden,)),
-        ("update_weight", update_weight, (hidden,)),
-        ("gate", gate, batch_rows),
-        ("scale", scale, batch_rows),
-    )
-    for name, t, shape in checks:
-        if t is not None:
-            reason = _vector_reason(name, t, x, shape) if shape != (hidden,) else _weight_reason(name, t, x)
-            if reason is not None:
-                return reason
+    vector = ({(hidden,)}, f"a dense [{hidden}] vector")
+    rows = ({(x.shape[0], 1, hidden), (1, 1, hidden)}, f"contiguous [{x.shape[0]}, 1, {hidden}]")
+    checks = (("weight", weight, vector), ("update_weight", update_weight, vector))
+    checks += (("gate", gate, rows), ("scale", scale, rows))
+    for name, t, (shapes, expected) in checks:
+        reason = None if t is None else _operand_reason(name, t, x, shapes, expected)
+        if reason is not None:
+            return reason
     if update is not None:
         if update_weight is None:
             return "an update needs its norm's weight"
         return _rows_reason("update", update, x)
-    return None
-
-
-def _weight_reason(name: str, t: Any, x: torch.Tensor) -> Reason:
-    if not isinstance(t, torch.Tensor):
-        return TypeReason(f"{name} is not a tensor")
-    if t.dtype != x.dtype or t.device != x.device:
-        return TypeReason(
-            f"{name} is {t.dtype} on {t.device}, x {x.dtype} on {x.device} (eager would promote)"
-        )
-    if t.shape != (x.shape[-1],) or t.stride(0) != 1:
-        return f"{name} must be a dense [{x.shape[-1]}] vector, got {tuple(t.shape)}"
     return None
 
 
