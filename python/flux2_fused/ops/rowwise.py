@@ -4,7 +4,9 @@ and operator.
 Such an op maps each row of x to a row of out, element by element: x is [B, S, C] or [S, C] rows
 with unit inner stride (rows and batch possibly strided: a view of a wider projection), holding
 `operands` H-wide operands side by side (swiglu's a and b, gelu_tanh's one), and out is [..., H], the
-same rows (possibly half of a wider buffer, which the single block's output projection reads). The
+same rows (possibly half of a wider buffer, which the single block's output projection reads). A
+two-operand op also takes its operands as two tensors of out's shape: x the first, `b` the second
+(Z-Image's feed-forward, `silu(w1(x)) * w3(x)`, has two projections where FLUX.2 has one). The
 kernels (csrc/rowwise.cuh) move 4 elements (8 bytes) at a time, so H is a positive multiple of 4 and
 row and batch strides are multiples of 4 elements.
 
@@ -54,12 +56,16 @@ def rows_reason(name: str, t: Any) -> Reason:
     return None
 
 
-def overlap_reason(x: torch.Tensor, out: torch.Tensor) -> Reason:
-    """Per call (storage is not metadata): out must not share x's storage, since blocks read and
-    write rows in no fixed order."""
+def overlap_reason(x: torch.Tensor, out: torch.Tensor, name: str = "x") -> Reason:
+    """Per call (storage is not metadata): out must not share the storage of an input (`name`),
+    since blocks read and write rows in no fixed order."""
     if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        return "out shares storage with x"
+        return f"out shares storage with {name}"
     return None
+
+
+# What x's channel count must be beside b (the two-tensor form: x holds one operand).
+PAIR_CHANNELS = "a positive multiple of 4 beside b"
 
 
 class RowGuards:
@@ -67,7 +73,8 @@ class RowGuards:
 
     operands: the H-wide operands a row of x holds (out is H wide); channels: what x's channel count
     must be, in words; out_shape: what out's shape must be, in words. The runtime part asks `op`'s
-    self-check for x's (device, dtype).
+    self-check for x's (device, dtype). `pair` and `pair_into` guard the two-tensor form (x and b)
+    of a two-operand op.
     """
 
     def __init__(self, op: FusedOp, operands: int, channels: str, out_shape: str) -> None:
@@ -77,90 +84,120 @@ class RowGuards:
         self.out_shape = out_shape
         self.plain = Guard(("x",), self._metadata_reason, self._runtime_reason)
         self.into = Guard(("x", "out"), self._metadata_reason, self._runtime_reason)
+        self.pair = Guard(("x", "b"), self._pair_reason, self._runtime_reason)
+        self.pair_into = Guard(("x", "b", "out"), self._pair_reason, self._runtime_reason)
 
     def width(self, x: torch.Tensor) -> int:
         """H: the width of out's rows for x."""
         return x.shape[-1] // self.operands
 
-    def _metadata_reason(self, x: Any, out: Any = None) -> Reason:
-        """Everything the tensors' shapes, strides, dtypes and devices decide."""
+    def _metadata_reason(self, x: Any, out: Any = None, b: Any = None) -> Reason:
+        """Everything the tensors' shapes, strides, dtypes and devices decide; with b, x holds the
+        first operand and b the second."""
         reason = rows_reason("x", x)
         if reason is not None:
             return reason
-        if x.shape[-1] % (4 * self.operands) != 0 or x.shape[-1] == 0:
-            return f"x has {x.shape[-1]} channels, the kernel needs {self.channels}"
+        in_x, channels = (self.operands, self.channels) if b is None else (1, PAIR_CHANNELS)
+        if x.shape[-1] % (4 * in_x) != 0 or x.shape[-1] == 0:
+            return f"x has {x.shape[-1]} channels, the kernel needs {channels}"
         if x.device.type != "cuda":
             return TypeReason(f"x is on {x.device}, the fused kernel needs CUDA")
         if x.dtype not in runtime.SUPPORTED_DTYPES:
             return TypeReason(f"dtype {x.dtype} is not supported (bfloat16, float16)")
-        if out is None:
-            return None
-        reason = rows_reason("out", out)
-        if reason is not None:
-            return reason
-        if out.dtype != x.dtype or out.device != x.device:
-            return TypeReason(f"out is {out.dtype} on {out.device}, x is {x.dtype} on {x.device}")
-        if out.shape != (*x.shape[:-1], self.width(x)):
-            return f"out shape {tuple(out.shape)} is not {self.out_shape}"
+        width, wanted = (self.width(x), self.out_shape) if b is None else (x.shape[-1], "x's shape")
+        for name, t in (("b", b), ("out", out)):
+            if t is None:
+                continue
+            reason = rows_reason(name, t)
+            if reason is not None:
+                return reason
+            if t.dtype != x.dtype or t.device != x.device:
+                return TypeReason(f"{name} is {t.dtype} on {t.device}, x is {x.dtype} on {x.device}")
+            if t.shape != (*x.shape[:-1], width):
+                return f"{name} shape {tuple(t.shape)} is not {wanted}"
         return None
+
+    def _pair_reason(self, x: Any, b: Any, out: Any = None) -> Reason:
+        """The metadata checks of the two-tensor form (x the first operand, b the second)."""
+        return self._metadata_reason(x, out, b)
 
     def _runtime_reason(self, x: torch.Tensor, *_: Any) -> Reason:
         """Kill switch, kernel build and the self-check for this (device, dtype)."""
         return runtime.runtime_reason(self.op, x.device, Config(x.dtype))
 
-    def reason(self, x: Any, out: Any = None) -> Reason:
-        """Why the kernel declines x (and the destination out), or None when it accepts them."""
-        if out is None:
-            return self.plain.reason(x)
-        return self.into.reason(x, out) or overlap_reason(x, out)
+    def _guard(self, out: Any, b: Any) -> tuple[Guard, tuple[Any, ...]]:
+        """The guard of this form of call, and its arguments after x."""
+        if b is None:
+            return (self.plain, ()) if out is None else (self.into, (out,))
+        return (self.pair, (b,)) if out is None else (self.pair_into, (b, out))
 
-    def accepts(self, x: Any, out: Any = None) -> bool:
-        """`reason(x, out) is None`, with the metadata verdict remembered. Never raises."""
+    @staticmethod
+    def _overlap(x: Any, out: Any, b: Any) -> Reason:
         if out is None:
-            return self.plain(x)
+            return None
+        return overlap_reason(x, out) or (None if b is None else overlap_reason(b, out, "b"))
+
+    def reason(self, x: Any, out: Any = None, b: Any = None) -> Reason:
+        """Why the kernel declines x (with b, and the destination out), or None when it accepts them."""
+        guard, rest = self._guard(out, b)
+        return guard.reason(x, *rest) or self._overlap(x, out, b)
+
+    def accepts(self, x: Any, out: Any = None, b: Any = None) -> bool:
+        """`reason(x, out, b) is None`, with the metadata verdict remembered. Never raises."""
+        guard, rest = self._guard(out, b)
         try:
-            return self.into(x, out) and overlap_reason(x, out) is None
+            return guard(x, *rest) and self._overlap(x, out, b) is None
         except Exception:  # not tensors: declined, as the guards decline garbage
             return False
 
-    def validate(self, x: Any, out: Any = None) -> None:
+    def validate(self, x: Any, out: Any = None, b: Any = None) -> None:
         """Raise TypeError (types, dtypes, devices) or ValueError (shapes, strides, alignment, overlap)
         naming what the kernel cannot take (runtime state aside)."""
-        if out is None:
-            self.plain.validate(x)
-        else:
-            self.into.validate(x, out)
-            raise_for(overlap_reason(x, out))
+        guard, rest = self._guard(out, b)
+        guard.validate(x, *rest)
+        raise_for(self._overlap(x, out, b))
 
 
 @dataclass(frozen=True)
 class RowOp:
     """One row-wise op's entry points, from its guards, its launcher (`launch(x, out)`, out None for a
     fresh tensor), its eager reference and its library operator (`operator(x)`, resolved when a
-    torch.compile trace first reaches the op)."""
+    torch.compile trace first reaches the op). A two-operand op's launcher, reference and operator
+    also take the second operand as a tensor of its own (`b`, after out for the launcher)."""
 
     guards: RowGuards
-    launch: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
-    reference: Callable[[torch.Tensor], torch.Tensor]
-    operator: Callable[[torch.Tensor], torch.Tensor]
+    launch: Callable[..., torch.Tensor]
+    reference: Callable[..., torch.Tensor]
+    operator: Callable[..., torch.Tensor]
 
-    def fused(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """op(x) from one kernel launch (into `out` when given), or None where the guards decline."""
-        return self.launch(x, out) if self.guards.accepts(x, out) else None
+    def fused(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, b: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """op(x) (op(x, b)) from one kernel launch (into `out` when given), or None where the guards
+        decline."""
+        if not self.guards.accepts(x, out, b):
+            return None
+        return self.launch(x, out) if b is None else self.launch(x, out, b)
 
     def apply(
-        self, x: torch.Tensor, out: torch.Tensor | None = None, *, enabled: bool = True
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        b: torch.Tensor | None = None,
+        enabled: bool = True,
     ) -> torch.Tensor:
         """The site's one decision: under a torch.compile trace the library operator, else `fused`
         where it accepts, else the eager reference; into `out` when given. The same bits every way.
         `enabled=False` (a model's switch) always runs the eager reference."""
+        operands = (x,) if b is None else (x, b)
         if enabled and torch.compiler.is_compiling():
-            result = self.operator(x)
+            result = self.operator(*operands)
             return result if out is None else out.copy_(result)
-        result = self.fused(x, out) if enabled else None
+        result = self.fused(x, out, b) if enabled else None
         if result is not None:
             return result
-        eager = self.reference(x)
+        eager = self.reference(*operands)
         return eager if out is None else out.copy_(eager)
 
     def concat(self, prefix: torch.Tensor, x: torch.Tensor, *, enabled: bool = True) -> torch.Tensor:
@@ -176,24 +213,27 @@ class RowOp:
         self.apply(x, out=joint[..., width:])
         return joint
 
-    def validated(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def validated(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The kernel, without the self-check. Unsupported inputs raise TypeError (types, dtypes,
         devices) or ValueError (shapes, strides, alignment, overlap) naming the problem."""
-        self.guards.validate(x, out)
-        return self.launch(x, out)
+        self.guards.validate(x, out, b)
+        return self.launch(x, out) if b is None else self.launch(x, out, b)
 
 
 def compare(
     device: torch.device,
-    cases: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
-    launch: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
-    reference: Callable[[torch.Tensor], torch.Tensor],
+    cases: Mapping[str, tuple[torch.Tensor | None, ...]],
+    launch: Callable[..., torch.Tensor],
+    reference: Callable[..., torch.Tensor],
     detail: str,
 ) -> tuple[bool, str]:
-    """A self-check's verdict over its cases (name -> (x, out or None)): (False, the first case whose
-    kernel output is not eager's bit for bit, `bits_equal`), else (True, `detail`)."""
-    for name, (x, out) in cases.items():
-        if not bits_equal(launch(x, out), reference(x)):
+    """A self-check's verdict over its cases (name -> (x, out or None), or (x, out or None, b) for the
+    two-tensor form): (False, the first case whose kernel output is not eager's bit for bit,
+    `bits_equal`), else (True, `detail`)."""
+    for name, (x, out, *b) in cases.items():
+        if not bits_equal(launch(x, out, *b), reference(x, *b)):
             return False, f"{name}: differs from eager"
     torch.cuda.synchronize(device)
     return True, detail
@@ -210,31 +250,33 @@ def fused_op(
 
 def define_operator(
     name: str,
-    apply: Callable[[torch.Tensor], torch.Tensor],
-    reference: Callable[[torch.Tensor], torch.Tensor],
+    apply: Callable[..., torch.Tensor],
+    reference: Callable[..., torch.Tensor],
     operands: int,
 ) -> tuple[torch.library.Library, Any]:
-    """`torch.ops.flux2_fused.<name>(Tensor x) -> Tensor`: `apply(x)` below autograd (the kernel where
-    the guards accept, decided when the op runs, the eager reference elsewhere), the differentiable
-    `reference` where a gradient is needed, and a fake of x's rows at 1/`operands` of its width.
-    Returns the library fragment (keep it alive) and the operator's default overload."""
+    """`torch.ops.flux2_fused.<name>(Tensor x) -> Tensor` (`(Tensor x, Tensor? b=None)` for an op of two
+    operands, b the second as a tensor of its own): `apply` below autograd (the kernel where the
+    guards accept, decided when the op runs, the eager reference elsewhere), the differentiable
+    `reference` where a gradient is needed, and a fake of out's rows (1/`operands` of x's width, or
+    x's with b). Returns the library fragment (keep it alive) and the operator's default overload."""
     lib = torch.library.Library("flux2_fused", "FRAGMENT")
-    lib.define(f"{name}(Tensor x) -> Tensor")
+    lib.define(f"{name}(Tensor x{', Tensor? b=None' if operands == 2 else ''}) -> Tensor")
     operator = getattr(torch.ops.flux2_fused, name).default
 
-    def implementation(x: torch.Tensor) -> torch.Tensor:
-        return apply(x)
+    def implementation(x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return apply(x) if b is None else apply(x, b=b)
 
-    def autograd(x: torch.Tensor) -> torch.Tensor:
+    def autograd(x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         """The eager reference (differentiable) when a gradient is needed, else the implementation
         below autograd. Inference mode never reaches it."""
-        if torch.is_grad_enabled() and x.requires_grad:
-            return reference(x)
+        args = (x,) if b is None else (x, b)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in args):
+            return reference(*args)
         with torch._C._AutoDispatchBelowAutograd():
-            return operator(x)
+            return operator(*args)
 
-    def fake(x: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], x.shape[-1] // operands))
+    def fake(x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], x.shape[-1] if b is not None else x.shape[-1] // operands))
 
     lib.impl(name, implementation, "CompositeExplicitAutograd")
     lib.impl(name, autograd, "Autograd")

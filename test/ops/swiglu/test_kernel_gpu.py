@@ -50,10 +50,29 @@ def test_single_block_layout_into_half_of_the_buffer(tokens, dtype, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 7, 4608])
+@pytest.mark.parametrize("hidden", [10240, 12, 1028])
+def test_two_projections_bit_exact(hidden, tokens, batch, dtype, gen):
+    """Z-Image's feed-forward: a = w1(x) and b = w3(x) two tensors, b also a strided view."""
+    rows = _rows(batch, tokens, hidden, dtype, gen)
+    a, b = rows[..., :hidden].contiguous(), rows[..., hidden:].contiguous()
+    assert decline_reason(a, None, b) is None and guards.pair(a, b)
+    out = swiglu(a, None, b)
+    assert out.shape == a.shape and bits_equal(out, reference.swiglu(a, b))
+    assert bits_equal(swiglu(a, None, rows[..., hidden:]), reference.swiglu(rows))  # b strided
+    into = torch.empty_like(a)
+    swiglu(b, into, a)  # the operands' roles swapped, into a given tensor
+    assert bits_equal(into, reference.swiglu(b, a))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_random_bit_patterns(dtype, gen):
     for _ in range(4):
         x = random_bits((3, 129, 2 * 1024), dtype, gen)
         assert bits_equal(swiglu(x), reference.swiglu(x))
+        a, b = x.chunk(2, dim=-1)
+        assert bits_equal(swiglu(a, None, b), reference.swiglu(a, b))
 
 
 def test_every_bf16_value(gen):

@@ -40,6 +40,17 @@ CASES: dict[str, tuple[tuple[Any, ...], str]] = {
         "x has 12 channels, the kernel needs 2H with H a positive multiple of 4",
     ),
     "out shape": ((_x(), _x()), "out shape (2, 5, 16) is not x's rows at half width"),
+    "two projections, channels": (
+        (as_cuda(torch.zeros(B, S, 8, dtype=BF16)[..., :6]), None, as_cuda(torch.zeros(B, S, 6, dtype=BF16))),
+        "x has 6 channels, the kernel needs a positive multiple of 4 beside b",
+    ),
+    "two projections, b shape": ((_out(), None, _x()), "b shape (2, 5, 16) is not x's shape"),
+    "two projections, b dtype": (
+        (_out(), None, _out(dtype=torch.float16)),
+        "b is torch.float16 on cuda:0, x is torch.bfloat16 on cuda:0",
+    ),
+    "two projections, b inner stride": ((_out(), None, _x()[..., ::2]), "b has inner stride 2 (needs 1)"),
+    "two projections, out shape": ((_out(), _x(), _out()), "out shape (2, 5, 16) is not x's shape"),
 }
 
 
@@ -65,6 +76,24 @@ def test_garbage_never_raises(garbage: Any) -> None:
     conftest.assert_garbage_declines(swiglu, garbage, _x(), _out())
 
 
+@pytest.mark.usefixtures("accept_runtime")
+def test_two_projections_overlap_declines() -> None:
+    """out may not share storage with either operand (blocks read and write rows in no fixed order)."""
+    a, b = _out(), _out()
+    assert decline_reason(a, None, b) is None and guards.pair(a, b)
+    assert decline_reason(a, a, b) == "out shares storage with x"
+    assert decline_reason(a, b, b) == "out shares storage with b"
+    assert swiglu.fused(a, b, b) is None
+    with pytest.raises(ValueError, match="out shares storage with b"):
+        swiglu.swiglu(a, b, b)
+
+
+def test_reference_of_two_projections_is_z_image_gating() -> None:
+    zimage = pytest.importorskip("diffusers.models.transformers.transformer_z_image")
+    a, b = torch.randn(B, S, H).to(BF16) * 6, torch.randn(B, S, H).to(BF16)
+    assert torch.equal(reference.swiglu(a, b), zimage.FeedForward(H, H)._forward_silu_gating(a, b))
+
+
 def test_apply_on_the_cpu_is_the_eager_chain() -> None:
     x = torch.randn(B, S, 2 * H)
     assert swiglu.fused(x) is None
@@ -72,6 +101,9 @@ def test_apply_on_the_cpu_is_the_eager_chain() -> None:
     buffer = torch.zeros(B, S, 2 * H)
     assert torch.equal(swiglu.apply(x, out=buffer[..., H:]), reference.swiglu(x))
     assert torch.equal(buffer[..., H:], reference.swiglu(x)) and not buffer[..., :H].any()
+    a, b = x.chunk(2, dim=-1)
+    assert swiglu.fused(a, None, b) is None
+    assert torch.equal(swiglu.apply(a, b=b), reference.swiglu(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -79,6 +111,9 @@ def test_operator_opcheck_and_gradients_cpu(dtype: torch.dtype) -> None:
     conftest.assert_operator_is_the_reference(
         library.swiglu, reference.swiglu, torch.randn(B, S, 2 * H).to(dtype)
     )
+    a, b = torch.randn(B, S, H).to(dtype), torch.randn(B, S, H).to(dtype)
+    torch.library.opcheck(library.swiglu, (a, b))
+    assert torch.equal(library.swiglu(a, b), reference.swiglu(a, b))
 
 
 def test_every_decline_reason_has_a_case() -> None:

@@ -10,8 +10,8 @@ namespace gelu_tanh {
 namespace {
 
 void gelu_tanh(tvm::ffi::TensorView out, tvm::ffi::TensorView x) {
-  rowwise::dispatch(out, x, /*operands=*/1, "gelu_tanh", gelu_tanh_kernel<__nv_bfloat16>,
-                    gelu_tanh_kernel<__half>);
+  rowwise::dispatch(out, x, tvm::ffi::Optional<tvm::ffi::TensorView>(), /*operands=*/1, "gelu_tanh",
+                    gelu_tanh_kernel<__nv_bfloat16>, gelu_tanh_kernel<__half>);
 }
 
 }  // namespace

@@ -4,8 +4,9 @@
 // Such a kernel maps each row of x ([B, S, C] or [S, C] rows with unit inner stride, rows and batch
 // possibly strided: a view of a wider projection) to the same row of out ([..., H], possibly half of
 // a wider buffer), element by element: x's row holds kOperands H-wide operands side by side
-// (swiglu's a and b, gelu_tanh's x), and output element j is f(operand 0 [j], ..., operand k-1 [j])
-// rounded once to T (round to nearest even, as aten's stores).
+// (swiglu's a and b, gelu_tanh's x), or x holds the first and a second tensor of x's shape the other
+// (Z-Image's silu(w1(x)) * w3(x): two projections), and output element j is
+// f(operand 0 [j], ..., operand k-1 [j]) rounded once to T (round to nearest even, as aten's stores).
 //
 // One block of 256 threads handles one row; thread t owns the 4-element (8-byte) vectors t, t + 256,
 // ... of the row's H outputs, with up to kUnroll of them in flight. Every input is read once, so the
@@ -17,6 +18,7 @@
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/extra/cuda/device_guard.h>
+#include <tvm/ffi/optional.h>
 
 #include <cuda_runtime.h>
 
@@ -31,15 +33,18 @@ namespace rowwise {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
+constexpr int kMaxOperands = 2;
 
 template <typename T>
 using Quad = Packed<T, 2>;  // four elements, 8 bytes
 
 template <typename T>
 struct Params {
-  const T* x;               // [rows, kOperands * H] rows: operand i = x[:, i * H : (i + 1) * H]
+  // Operand i's first row and its strides: x[:, i * H : (i + 1) * H] for operands side by side in x,
+  // or a tensor of its own.
+  const T* in[kMaxOperands];
+  int64_t in_batch_stride[kMaxOperands], in_row_stride[kMaxOperands];
   T* out;                   // [rows, H] rows
-  int64_t x_batch_stride, x_row_stride;
   int64_t out_batch_stride, out_row_stride;
   int64_t rows_per_batch;
   int32_t hidden;           // H, a multiple of 4
@@ -59,7 +64,9 @@ __device__ __forceinline__ void map_row(const Params<T>& p, F f) {
   const int64_t row = blockIdx.x;
   const int64_t batch = row / p.rows_per_batch;
   const int64_t r = row - batch * p.rows_per_batch;
-  const T* x_row = p.x + batch * p.x_batch_stride + r * p.x_row_stride;
+  const T* in_row[kOperands];
+#pragma unroll
+  for (int i = 0; i < kOperands; ++i) in_row[i] = p.in[i] + batch * p.in_batch_stride[i] + r * p.in_row_stride[i];
   T* out_row = p.out + batch * p.out_batch_stride + r * p.out_row_stride;
   const int vectors = p.hidden / 4;
   for (int v0 = threadIdx.x; v0 < vectors; v0 += kThreads * kUnroll) {
@@ -70,7 +77,7 @@ __device__ __forceinline__ void map_row(const Params<T>& p, F f) {
       if (v < vectors) {
 #pragma unroll
         for (int i = 0; i < kOperands; ++i) {
-          const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(x_row + i * p.hidden) + v);
+          const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(in_row[i]) + v);
           in[u][i] = *reinterpret_cast<const Quad<T>*>(&raw);
         }
       }
@@ -91,24 +98,40 @@ __device__ __forceinline__ void map_row(const Params<T>& p, F f) {
   }
 }
 
+using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
-// kernel over x's rows into out's, on the current stream of out's device.
+// kernel over x's rows (and other's, which holds the last operand where given) into out's, on the
+// current stream of out's device.
 template <typename T>
-void launch(void (*kernel)(Params<T>), TensorView out, TensorView x, int operands, const char* name) {
-  TVM_FFI_ICHECK(out.ndim() == x.ndim() && out.size(-1) * operands == x.size(-1))
-      << name << ": out's rows must be 1/" << operands << " of x's width";
+void launch(void (*kernel)(Params<T>), TensorView out, TensorView x, const Optional<TensorView>& other,
+            int operands, const char* name) {
+  const int in_x = other.has_value() ? operands - 1 : operands;  // operands side by side in x
+  TVM_FFI_ICHECK(operands <= kMaxOperands && in_x >= 1) << name << ": too many operands";
+  TVM_FFI_ICHECK(out.ndim() == x.ndim() && out.size(-1) * in_x == x.size(-1))
+      << name << ": out's rows must be 1/" << in_x << " of x's width";
   for (int d = 0; d + 1 < x.ndim(); ++d) TVM_FFI_ICHECK(out.size(d) == x.size(d)) << "out and x rows differ";
   TVM_FFI_ICHECK(out.size(-1) % 4 == 0) << "H must be a multiple of 4";
   const DLDevice dev = out.device();
   check_device(x, dev);
   Params<T> p{};
-  p.x = data<const T>(x);
+  const int64_t hidden = out.size(-1);
+  for (int i = 0; i < in_x; ++i) {
+    p.in[i] = data<const T>(x) + i * hidden;
+    row_layout(x, &p.in_batch_stride[i], &p.in_row_stride[i]);
+  }
+  if (other.has_value()) {
+    const TensorView t = *other;
+    TVM_FFI_ICHECK(t.ndim() == out.ndim() && t.dtype() == x.dtype()) << name << ": other must be rows like out";
+    for (int d = 0; d < t.ndim(); ++d) TVM_FFI_ICHECK(t.size(d) == out.size(d)) << "out and other rows differ";
+    check_device(t, dev);
+    p.in[in_x] = data<const T>(t);
+    row_layout(t, &p.in_batch_stride[in_x], &p.in_row_stride[in_x]);
+  }
   p.out = data<T>(out);
-  row_layout(x, &p.x_batch_stride, &p.x_row_stride);
   row_layout(out, &p.out_batch_stride, &p.out_row_stride);
   p.rows_per_batch = x.size(-2);
-  p.hidden = static_cast<int32_t>(out.size(-1));
+  p.hidden = static_cast<int32_t>(hidden);
   const int64_t rows = (x.ndim() == 3 ? x.size(0) : 1) * x.size(-2);
   if (rows == 0 || p.hidden == 0) return;
   TVM_FFI_ICHECK(rows < (int64_t{1} << 31)) << "too many rows for one launch";
@@ -120,14 +143,15 @@ void launch(void (*kernel)(Params<T>), TensorView out, TensorView x, int operand
 }
 
 // The op's entry: out's dtype picks the bf16 or the fp16 kernel.
-inline void dispatch(TensorView out, TensorView x, int operands, const char* name,
-                     void (*bf16_kernel)(Params<__nv_bfloat16>), void (*fp16_kernel)(Params<__half>)) {
+inline void dispatch(TensorView out, TensorView x, const Optional<TensorView>& other, int operands,
+                     const char* name, void (*bf16_kernel)(Params<__nv_bfloat16>),
+                     void (*fp16_kernel)(Params<__half>)) {
   const DLDataType dt = out.dtype();
   TVM_FFI_ICHECK(x.dtype().code == dt.code && x.dtype().bits == dt.bits) << "x and out dtypes differ";
   if (dt.code == kDLBfloat && dt.bits == 16) {
-    launch(bf16_kernel, out, x, operands, name);
+    launch(bf16_kernel, out, x, other, operands, name);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
-    launch(fp16_kernel, out, x, operands, name);
+    launch(fp16_kernel, out, x, other, operands, name);
   } else {
     TVM_FFI_THROW(TypeError) << name << " supports bfloat16 and float16 only";
   }

@@ -1,6 +1,8 @@
-// SwiGLU, silu(a) * b for x = [a, b] split in halves of the last dim, bit-exact to PyTorch eager.
+// SwiGLU, silu(a) * b for x = [a, b] split in halves of the last dim, or for a and b two tensors,
+// bit-exact to PyTorch eager.
 //
-// Eager (diffusers' Flux2SwiGLU) runs two aten kernels on the halves of the projection:
+// Eager (diffusers' Flux2SwiGLU on the halves of one projection, Z-Image's FeedForward on two
+// projections) runs two aten kernels:
 //   s   = T(a / (1 + expf(-a)))         silu: fp32 math, accurate expf, IEEE division, one rounding
 //   out = T(float(s) * b)               mul: fp32 product of two T values (exact), one rounding
 // (docs/numerics.md). This kernel reads the projection's rows in place (no slicing copies) and
@@ -9,7 +11,7 @@
 // expf must be the accurate one aten calls, and the division IEEE.
 //
 // The row walk is every row-wise kernel's (rowwise.cuh): one block of 256 threads a row, x's row
-// holding the two operands a and b.
+// holding the two operands a and b, or a with b in a tensor of its own.
 #pragma once
 
 #include "rowwise.cuh"

@@ -1,7 +1,8 @@
 """The live self-check: the swiglu kernel against eager on this device, once per dtype and process.
 
 It feeds a dense [B, S, 2H] projection, the single block's layout (the MLP part of one wide
-projection, written into the second half of a wider buffer), values across the whole range
+projection, written into the second half of a wider buffer), a and b as two tensors (Z-Image's two
+projections, one of them a strided view), values across the whole range
 (silu saturates at both ends, exp(-a) overflows for large negative a), NaN and +-Inf, and rows of
 random bit patterns.
 """
@@ -37,6 +38,8 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
         "dense projection": (x, None),
         "strided rows into half of a wider buffer": (mlp, buffer[..., hidden:]),
         "random bit patterns": (noise, None),
+        "two projections": (x[..., :hidden].contiguous(), None, x[..., hidden:].contiguous()),
+        "two projections, random bit patterns": (noise[..., hidden:], None, noise[..., :hidden]),
     }
     return compare(
         device,
