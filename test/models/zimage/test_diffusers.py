@@ -1,12 +1,14 @@
 """The Z-Image family on diffusers' ZImageTransformer2DModel (tiny, CPU): `enable()` reproduces
 diffusers' forward bit for bit (fp32/bf16/fp16, batch 1 and 2 with captions of unequal length, so
 padded and masked rows), runs every block (both refiners and the main layers) through the family's
-block code, its attention prologue as one launch a block where the kernel's reference stands in for
-it, and leaves what it does not implement (per-token modulation, other attention processors or
-arguments, hooked attention modules) to diffusers' own code."""
+block code, its attention prologue, sandwich norms and feed-forward SwiGLU as launches where the
+kernels' references stand in for them, and leaves what it does not implement (per-token
+modulation, other attention processors or arguments, hooked modules) to diffusers' own code."""
 
 from __future__ import annotations
 
+import dataclasses
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -83,14 +85,33 @@ def sandwich_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool, b
     return launches
 
 
+@pytest.fixture
+def swiglu_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The swiglu 'kernel' as its reference (its contract), so the CPU runs the feed-forward's fused
+    SwiGLU; one entry a launch: whether its operands came as two tensors."""
+    from flux2_fused.ops import swiglu
+
+    launches: list[bool] = []
+
+    def launch(x, out, b=None):
+        launches.append(b is not None)
+        result = swiglu.reference.swiglu(x) if b is None else swiglu.reference.swiglu(x, b)
+        return result if out is None else out.copy_(result)
+
+    monkeypatch.setattr(swiglu.guards.rows, "accepts", lambda *args: True)
+    monkeypatch.setattr(swiglu, "_ROWS", dataclasses.replace(swiglu._ROWS, launch=launch))
+    return launches
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_fused_sandwich_sites_are_diffusers_bit_for_bit(
-    dtype: torch.dtype, batch: int, sandwich_on_cpu: list, prologue_on_cpu: list
+    dtype: torch.dtype, batch: int, sandwich_on_cpu: list, prologue_on_cpu: list, swiglu_on_cpu: list
 ) -> None:
     """Every block's four sandwich norms as three launches (the first norm times the scale; the
     attention's gated update with the feed-forward's first norm and scale; the feed-forward's gated
-    update), ungated and unscaled in the caption refiner, with the prologue: diffusers' bits."""
+    update), ungated and unscaled in the caption refiner, with the prologue and the feed-forward's
+    SwiGLU of its two projections: diffusers' bits."""
     model = support.transformer().to(dtype)
     assert _compare(model, support.step_inputs(batch=batch, dtype=dtype)) == support.BLOCKS
     modulated = [(False, False, True, True), (True, True, True, True), (True, True, False, False)]
@@ -99,6 +120,48 @@ def test_the_fused_sandwich_sites_are_diffusers_bit_for_bit(
     expected = modulated * refiners + plain * refiners + modulated * support.TINY["n_layers"]
     assert sandwich_on_cpu == expected
     assert len(prologue_on_cpu) == support.BLOCKS
+    assert swiglu_on_cpu == [True] * support.BLOCKS
+
+
+def test_a_hooked_feed_forward_runs_its_own_call(swiglu_on_cpu: list) -> None:
+    """A feed-forward with a hook is called as a module (the hook runs), the other blocks' SwiGLUs
+    launch; diffusers' bits."""
+    model = support.transformer().to(torch.bfloat16)
+    seen: list[int] = []
+    model.layers[0].feed_forward.register_forward_hook(lambda *_: seen.append(1))
+    assert _compare(model, support.step_inputs(dtype=torch.bfloat16)) == support.BLOCKS
+    assert len(seen) == 2 and swiglu_on_cpu == [True] * (support.BLOCKS - 1)
+
+
+@pytest.mark.parametrize("where", ["class", "instance"])
+def test_a_replaced_gating_runs_the_feed_forward_module(
+    where: str, swiglu_on_cpu: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`_forward_silu_gating` replaced (on the class, or on one module) must run, so that
+    feed-forward is the module's own call: the replacement's output, not the op's."""
+    model = support.transformer()
+    calls: list[int] = []
+
+    def gating(self: nn.Module, x1: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return torch.nn.functional.silu(x1) * x3 * 2.0
+
+    if where == "class":
+        monkeypatch.setattr(zimage.FeedForward, "_forward_silu_gating", gating)
+    else:
+        ff = model.layers[0].feed_forward
+        ff._forward_silu_gating = gating.__get__(ff)
+    inputs = support.step_inputs()
+    with torch.inference_mode(), pytest.warns(RuntimeWarning) if where == "class" else nullcontext():
+        expected = support.sample(model(**inputs))
+        handle = enable(model)
+        try:
+            patched = support.sample(model(**inputs))
+        finally:
+            handle.disable()
+    assert bits_equal(patched, expected)
+    replaced = support.BLOCKS if where == "class" else 1
+    assert len(calls) == 2 * replaced and len(swiglu_on_cpu) == support.BLOCKS - replaced
 
 
 def test_a_hooked_sandwich_norm_runs_the_blocks_module_calls(sandwich_on_cpu: list) -> None:

@@ -12,9 +12,10 @@ caption rows, the main layers' image rows then caption rows), D = 30 heads x 128
   the padding mask, the output Linear;
 - the feed-forward is `w2(silu(w1(x)) * w3(x))`.
 The fused sites are the attention prologue (both q/k norms and the rotation in one launch: "mean"
-norm, "complex" rotation, a table a sample) and the sandwich norms (`sandwich_norm`: three launches a
-block, each a norm of a block output with its gated residual and the next norm with its scale); the
-modulation, the projections and the feed-forward are the modules' own calls in diffusers' order.
+norm, "complex" rotation, a table a sample), the sandwich norms (`sandwich_norm`: three launches a
+block, each a norm of a block output with its gated residual and the next norm with its scale) and
+the feed-forward's SwiGLU of its two projections (`swiglu` with `b`); the modulation and the
+projections are the modules' own calls in diffusers' order.
 Per-token modulation (the Omni models' `noise_mask`) runs diffusers' own forward.
 """
 
@@ -25,8 +26,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from ...host import Host
-from ...ops import sandwich_norm
+from ...host import Host, methods_unpatched
+from ...ops import sandwich_norm, swiglu
 from ...ops.qk_norm_rope.reference import complex_tables
 from ..common import HostRope, prologue, qkv_projections
 from ..deferral import Fusion
@@ -79,6 +80,16 @@ def attention(
     rope = host_rope(freqs_cis)
     query, key, _ = prologue(host, fusion, [(query, attn.norm_q)], [(key, attn.norm_k)], rope)
     return host.linear(attn.to_out[0], attend(query, key, value))
+
+
+def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, h: torch.Tensor) -> torch.Tensor:
+    """`w2(silu(w1(h)) * w3(h))` with the SwiGLU of the two projections by the op, where the host may
+    compute the module's forward and its `_forward_silu_gating` is its own (on the class and the
+    instance); else the module's own call."""
+    if not (host.plain(ff) and methods_unpatched(type(ff), GATING) and GATING[0] not in ff.__dict__):
+        return host.call(ff, h)
+    gate = host.linear(ff.w1, h)
+    return host.linear(ff.w2, swiglu.apply(gate, b=host.linear(ff.w3, h), enabled=fusion.fused))
 
 
 def modulation(block: nn.Module, host: Host, adaln_input: torch.Tensor) -> list[torch.Tensor]:
@@ -135,17 +146,20 @@ def block_call(
         h = _scaled(host.call(block.attention_norm1, x), scale_msa)
         attn_out = attention(block.attention, host, fusion, h, attn_mask, freqs_cis)
         x = _gated(x, host.call(block.attention_norm2, attn_out), gate_msa)
-        mlp = host.call(block.feed_forward, _scaled(host.call(block.ffn_norm1, x), scale_mlp))
+        h = _scaled(host.call(block.ffn_norm1, x), scale_mlp)
+        mlp = feed_forward(block.feed_forward, host, fusion, h)
         return _gated(x, host.call(block.ffn_norm2, mlp), gate_mlp)
     (attention_norm1, attention_norm2, ffn_norm1, ffn_norm2), eps = weights
     site = partial(sandwich_norm.apply, eps=eps, enabled=fusion.fused)
     h, _ = site(x, attention_norm1, scale=scale_msa)
     attn_out = attention(block.attention, host, fusion, h, attn_mask, freqs_cis)
     h, x = site(x, ffn_norm1, scale=scale_mlp, update=attn_out, update_weight=attention_norm2, gate=gate_msa)
-    mlp = host.call(block.feed_forward, h)
+    mlp = feed_forward(block.feed_forward, host, fusion, h)
     _, x = site(x, None, update=mlp, update_weight=ffn_norm2, gate=gate_mlp)
     return x
 
 
+# The feed-forward's gating method, which its forward calls (a replacement of it must run).
+GATING = ("_forward_silu_gating",)
 # The block's sandwich norms: attention's pair, then the feed-forward's.
 NORMS = ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2")

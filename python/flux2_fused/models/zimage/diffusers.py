@@ -46,6 +46,7 @@ def forward(model: nn.Module, host: DiffusersHost, fusion: Fusion, args: tuple, 
 BINDING = Binding(
     classes=(
         f"{MODULE}.ZImageTransformerBlock",
+        f"{MODULE}.FeedForward",
         "diffusers.models.attention_processor.Attention",
         "diffusers.models.normalization.RMSNorm",  # the q/k norms
     ),
