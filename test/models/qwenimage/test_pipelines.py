@@ -1,6 +1,7 @@
 """Qwen-Image's pipelines with `enable(pipe)` (tiny components, CPU): text to image with true CFG and a
-padded prompt, image to image, inpainting and ControlNet give diffusers' images bit for bit with
-every transformer call's blocks through the block code."""
+padded prompt, image to image, inpainting, ControlNet and the edit pipelines (one condition image, and
+two of different shapes) give diffusers' images bit for bit with every transformer call's blocks
+through the block code."""
 
 from __future__ import annotations
 
@@ -111,4 +112,24 @@ def test_edit_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     pixels = (torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(3)) * 255).to(torch.uint8)
     image = Image.fromarray(pixels.numpy())
     runs = _images_both_ways(pipe, monkeypatch, image=image, true_cfg_scale=2.0, height=32, width=32)
+    assert runs == 2 * 2 * support.TINY["num_layers"]
+
+
+def test_edit_plus_pipeline_with_two_images(monkeypatch: pytest.MonkeyPatch) -> None:
+    """QwenImageEditPlusPipeline: two condition images of different shapes, each its own latent
+    segment after the generated image's rows (their RoPE positions per segment), every block through
+    the block code. Its condition and VAE areas are 32x32 here (`calculate_dimensions` made small)."""
+    from diffusers import QwenImageEditPlusPipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as edit_plus
+    from PIL import Image
+
+    original = edit_plus.calculate_dimensions
+    monkeypatch.setattr(edit_plus, "calculate_dimensions", lambda area, ratio: original(32 * 32, ratio))
+    pipe = support.pipeline(support.transformer(), QwenImageEditPlusPipeline, processor=None)
+    gen = torch.Generator().manual_seed(3)
+    images = [
+        Image.fromarray((torch.rand(h, w, 3, generator=gen) * 255).to(torch.uint8).numpy())
+        for h, w in ((32, 32), (32, 48))
+    ]
+    runs = _images_both_ways(pipe, monkeypatch, image=images, true_cfg_scale=2.0, height=32, width=32)
     assert runs == 2 * 2 * support.TINY["num_layers"]

@@ -1,7 +1,7 @@
 """Z-Image's diffusers pipelines with `enable(pipe)` (tiny components, CPU): text-to-image with
-classifier-free guidance and image-to-image give the pipeline's own images bit for bit, every block of
-every step through the family's block code, its fused sites taken (the kernels' references standing in
-for them)."""
+classifier-free guidance, image-to-image, inpainting, ControlNet and ControlNet inpainting give the
+pipeline's own images bit for bit, every block of every step through the family's block code, its
+fused sites taken (the kernels' references standing in for them)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ pytest.importorskip("diffusers.pipelines.z_image")
 STEPS = 2
 
 
-def _pipeline(cls_name: str) -> Any:
+def _pipeline(cls_name: str, **components: Any) -> Any:
     """A Z-Image pipeline around the tiny transformer: a two-level AutoencoderKL of the transformer's 4
-    latent channels, diffusers' default scheduler, no text encoder (callers pass embeddings)."""
+    latent channels, diffusers' default scheduler, no text encoder (callers pass embeddings), and
+    `components` (a ControlNet)."""
     import diffusers
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
@@ -42,6 +43,7 @@ def _pipeline(cls_name: str) -> Any:
         text_encoder=None,
         tokenizer=None,
         transformer=support.transformer(),
+        **components,
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -107,5 +109,85 @@ def test_image_to_image(prologue_on_cpu: list) -> None:
         height=24,
         width=40,
         num_inference_steps=4,
+    )
+    assert ran and all(ran)
+
+
+def _image(seed: int) -> torch.Tensor:
+    return torch.rand(1, 3, 24, 40, generator=torch.Generator().manual_seed(seed))
+
+
+def _mask() -> torch.Tensor:
+    mask = torch.zeros(1, 1, 24, 40)
+    mask[..., 8:, 16:] = 1.0
+    return mask
+
+
+def test_inpainting(prologue_on_cpu: list) -> None:
+    pipe = _pipeline("ZImageInpaintPipeline")
+    ran = _compare(
+        pipe,
+        image=_image(7),
+        mask_image=_mask(),
+        strength=0.8,
+        prompt_embeds=_embeds(1, (9,)),
+        negative_prompt_embeds=_embeds(2, (6,)),
+        guidance_scale=3.0,
+        height=24,
+        width=40,
+        num_inference_steps=4,
+    )
+    assert ran and all(ran) and len(prologue_on_cpu) == len(ran)
+
+
+def _controlnet(control_in_dim: int) -> Any:
+    """A tiny ZImageControlNetModel at the transformer's sizes, control blocks at layer 0 (its
+    refiners and embedders become the transformer's when the pipeline is built)."""
+    from diffusers import ZImageControlNetModel
+
+    torch.manual_seed(3)
+    sizes = {key: support.TINY[key] for key in ("dim", "n_refiner_layers", "n_heads", "n_kv_heads")}
+    return ZImageControlNetModel(control_layers_places=[0], control_in_dim=control_in_dim, **sizes).eval()
+
+
+@pytest.mark.parametrize("control_in_dim", [support.TINY["in_channels"], 2 * support.TINY["in_channels"]])
+def test_controlnet(control_in_dim: int, prologue_on_cpu: list) -> None:
+    """ZImageControlNetPipeline: the ControlNet runs as diffusers' own (calling the transformer's
+    refiner blocks, which run on the block code) and its residuals join the main layers as diffusers'
+    forward adds them; wider control inputs (the 2.0 models) zero-padded by the pipeline."""
+    pipe = _pipeline("ZImageControlNetPipeline", controlnet=_controlnet(control_in_dim))
+    ran = _compare(
+        pipe,
+        control_image=_image(4),
+        controlnet_conditioning_scale=0.7,
+        prompt_embeds=_embeds(1, (9,)),
+        negative_prompt_embeds=_embeds(2, (5,)),
+        guidance_scale=4.0,
+        height=24,
+        width=40,
+        num_inference_steps=STEPS,
+    )
+    refiners = 2 * support.TINY["n_refiner_layers"]  # the ControlNet's calls of the shared refiners
+    assert all(ran) and len(ran) == STEPS * (support.BLOCKS + refiners)
+
+
+def test_controlnet_inpainting(prologue_on_cpu: list) -> None:
+    """ZImageControlNetInpaintPipeline: the control image's latents with the mask and the masked
+    image's latents (2C + 1 channels) as the ControlNet's input."""
+    pipe = _pipeline(
+        "ZImageControlNetInpaintPipeline", controlnet=_controlnet(2 * support.TINY["in_channels"] + 1)
+    )
+    ran = _compare(
+        pipe,
+        image=_image(7),
+        mask_image=_mask(),
+        control_image=_image(4),
+        controlnet_conditioning_scale=0.7,
+        prompt_embeds=_embeds(1, (9,)),
+        negative_prompt_embeds=_embeds(2, (5,)),
+        guidance_scale=4.0,
+        height=24,
+        width=40,
+        num_inference_steps=STEPS,
     )
     assert ran and all(ran)
