@@ -25,6 +25,7 @@ from flux2_fused.errors import BadValue
         ("qk_norm_rope", "24x4608:qwen", (24, 4608, "qwen")),
         ("sandwich_norm", "3840x4608", (3840, 4608, "")),
         ("sandwich_norm", "3840x4608:last", (3840, 4608, "last")),
+        ("swiglu", "10240x4608:pair", (10240, 4608, "pair")),
     ],
 )
 def test_each_ops_layouts_parse(op: str, item: str, parsed: tuple[int, int, str]) -> None:
@@ -40,6 +41,7 @@ def test_each_ops_layouts_parse(op: str, item: str, parsed: tuple[int, int, str]
         ("qk_norm_rope", "24x4608:token"),
         ("swiglu", "9216x4608:update2"),
         ("gelu_tanh", "12288x4608:upcast"),
+        ("gelu_tanh", "12288x4608:pair"),
         ("sandwich_norm", "3840x4608:twin"),
     ],
 )
@@ -58,3 +60,11 @@ def test_the_default_run_times_every_layout(op: str) -> None:
 def test_a_case_refuses_a_layout_before_it_touches_a_gpu(op: str) -> None:
     with pytest.raises(ValueError, match=f"unknown {op} layout 'double'"):
         kernel.CASES[op](24, 64, 1, torch.bfloat16, "double")
+
+
+def test_an_output_a_site_does_not_produce_compares_as_none() -> None:
+    """sandwich_norm's last site returns no next norm (None) from both the fused op and the eager
+    chain: equal; None beside a tensor is not."""
+    t = torch.ones(2, 3)
+    assert kernel._same(None, None) and kernel._same(t, t.clone())
+    assert not kernel._same(None, t) and not kernel._same(t, None)

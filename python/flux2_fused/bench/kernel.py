@@ -25,8 +25,8 @@ Sites (`--op`), the floors' bytes counted for bf16:
   diffusers `RMSNorm`, its gated residual into the stream and the feed-forward's `RMSNorm` times its
   scale (8 bytes an element: read the stream and the update, write the stream and the output);
   DxT:first the block's first norm times its scale (4 bytes), DxT:last its last gated update (6).
-- swiglu, shapes HxT: one feed-forward activation, the [B, T, 2H] projection in, [B, T, H] out; the
-  floor moves 6 bytes an output element.
+- swiglu, shapes HxT: one feed-forward activation, the [B, T, 2H] projection in (HxT:pair: Z-Image's
+  two [B, T, H] projections), [B, T, H] out; the floor moves 6 bytes an output element.
 - gelu_tanh, shapes HxT: one FLUX.1 MLP activation (`gelu(approximate="tanh")`), [B, T, H] in and
   out; the floor moves 4 bytes an element.
 
@@ -90,7 +90,7 @@ DEFAULT_SHAPES = {
     ],
     # Z-Image-Turbo at 1024x1024: its main layers' joint rows (4096 image + 512 caption tokens).
     "sandwich_norm": ["3840x4608", "3840x4608:first", "3840x4608:last"],
-    "swiglu": ["9216x4608", "18432x4608", "9216x512", "18432x4096"],
+    "swiglu": ["9216x4608", "18432x4608", "9216x512", "18432x4096", "10240x4608:pair"],
     # FLUX.1-dev's MLP (3072 x 4): the single block's joint rows, the image rows, the text rows.
     "gelu_tanh": ["12288x4608", "12288x4096", "12288x512"],
 }
@@ -99,14 +99,14 @@ SHAPE_FORMS = {
     "gated_resnorm": "DxT, DxT:token, DxT:update2 or DxT:twin (hidden x tokens, e.g. 6144x4608)",
     "qk_norm_rope": "HxT, HxT:single, HxT:upcast or HxT:qwen (heads x joint tokens, e.g. 24x4608)",
     "sandwich_norm": "DxT, DxT:first or DxT:last (hidden x tokens, e.g. 3840x4608)",
-    "swiglu": "HxT (hidden x tokens, e.g. 9216x4608)",
+    "swiglu": "HxT or HxT:pair (hidden x tokens, e.g. 9216x4608; pair: a and b two tensors)",
     "gelu_tanh": "HxT (hidden x tokens, e.g. 12288x4608)",
 }
 LAYOUTS = {
     "gated_resnorm": ("", "token", "update2", "twin"),
     "qk_norm_rope": ("", "single", "upcast", "qwen"),
     "sandwich_norm": ("", "first", "last"),
-    "swiglu": ("",),
+    "swiglu": ("", "pair"),
     "gelu_tanh": ("",),
 }
 L2_FLUSH_BYTES = 256 << 20
@@ -128,8 +128,16 @@ class Case:
     label: str = ""  # the row's op column when it is not the op's name (a variant of the site)
 
 
-def _outputs(result: object) -> Sequence[torch.Tensor]:
+def _outputs(result: object) -> Sequence[torch.Tensor | None]:
     return result if isinstance(result, tuple | list) else [result]
+
+
+def _same(got: torch.Tensor | None, ref: torch.Tensor | None) -> bool:
+    """Bit equality of one output, where an output a site does not produce is None on both sides
+    (sandwich_norm's last site has no next norm)."""
+    if got is None or ref is None:
+        return got is None and ref is None
+    return bits_equal(got, ref)
 
 
 def _sets(make: Callable[[], tuple], bytes_per_set: int) -> list[tuple]:
@@ -302,17 +310,23 @@ def sandwich_norm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, 
     )
 
 
-def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
-    """One feed-forward activation: the [B, T, 2H] projection in, [B, T, H] out."""
+def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout: str = "") -> Case:
+    """One feed-forward activation: the [B, T, 2H] projection in (layout ""), or Z-Image's two
+    [B, T, H] projections ("pair"), [B, T, H] out."""
+    _check_layout("swiglu", layout)
+    width = hidden if layout == "pair" else 2 * hidden
 
     def make() -> tuple:
-        return (torch.randn(batch, tokens, 2 * hidden, device="cuda", dtype=dtype) * 4,)
+        x = torch.randn(batch, tokens, width, device="cuda", dtype=dtype) * 4
+        return (x, torch.randn_like(x)) if layout == "pair" else (x,)
 
     elements = batch * tokens * hidden
     sets = _sets(make, 3 * elements * dtype.itemsize)
-    if swiglu.decline_reason(*sets[0]) is not None:
-        raise RuntimeError(f"fused path declined H={hidden} T={tokens}")
-    return Case(sets, swiglu.reference.swiglu, swiglu.swiglu, 3 * elements * dtype.itemsize, hidden)
+    if swiglu.decline_reason(sets[0][0], None, *sets[0][1:]) is not None:
+        raise RuntimeError(f"fused path declined H={hidden} T={tokens} {layout}")
+    fused = swiglu.swiglu if layout != "pair" else lambda a, b: swiglu.swiglu(a, None, b)
+    label = f"swiglu {layout}".strip()
+    return Case(sets, swiglu.reference.swiglu, fused, 3 * elements * dtype.itemsize, hidden, label)
 
 
 def gelu_tanh_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
@@ -365,7 +379,7 @@ def _same_bytes_copy(floor_bytes: int) -> Callable[[], object]:
 def bench_case(op: str, case: Case, tokens: int, batch: int, copy_gbs: float, compiled) -> KernelRow:
     """Time one case: eager and fused, plain and in CUDA graphs, and torch.compile of the eager chain."""
     exact = all(
-        bits_equal(got, ref)
+        _same(got, ref)
         for got, ref in zip(
             _outputs(case.fused(*case.sets[0])), _outputs(case.eager(*case.sets[0])), strict=True
         )

@@ -65,3 +65,39 @@ def step_inputs(
 def sample(out: Any) -> torch.Tensor:
     """The model's output (a list of per-sample latents) stacked."""
     return torch.stack(list(out.sample if hasattr(out, "sample") else out[0]))
+
+
+def pipeline(cls_name: str, model: torch.nn.Module | None = None, **components: Any) -> Any:
+    """A Z-Image pipeline around the tiny transformer: a two-level AutoencoderKL of the transformer's 4
+    latent channels, diffusers' default scheduler, no text encoder (callers pass embeddings), and
+    `components` (a ControlNet); `model` as the transformer instead of the tiny one where given."""
+    import diffusers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(
+        block_out_channels=(16, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=TINY["in_channels"],
+        norm_num_groups=8,
+        layers_per_block=1,
+        shift_factor=0.1,
+        scaling_factor=0.5,
+    ).eval()
+    pipe = getattr(diffusers, cls_name)(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        transformer=model if model is not None else transformer(),
+        **components,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def embeds(seed: int, lengths: tuple[int, ...]) -> list[torch.Tensor]:
+    """Caption embeddings of these lengths, as the pipelines take `prompt_embeds`."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, TINY["cap_feat_dim"], generator=gen) for n in lengths]

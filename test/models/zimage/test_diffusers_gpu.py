@@ -1,8 +1,8 @@
 """Z-Image on CUDA: `enable()` on diffusers' ZImageTransformer2DModel equals diffusers bit for bit with
-the kernels running (a block's prologue and its three sandwich-norm sites at Z-Image-Turbo's width),
-bf16 and fp16, at the tiny size (head_dim 16, D = 32: no launch) and at Z-Image-Turbo's width (30
-heads x 128, one main layer and one refiner of each kind) over 1024x1024's 4096 image tokens and a
-caption padded to 512 rows."""
+the kernels running (a block's prologue, its three sandwich-norm sites and its SwiGLU at
+Z-Image-Turbo's width), bf16 and fp16, at the tiny size (head_dim 16, D = 32: no launch) and at
+Z-Image-Turbo's width (30 heads x 128, one main layer and one refiner of each kind) over 1024x1024's
+4096 image tokens and a caption padded to 512 rows."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def test_tiny_on_cuda(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_at_z_image_turbos_width(dtype: torch.dtype, batch: int) -> None:
     """One main layer and one refiner of each kind at D = 3840: each block's prologue is one launch,
-    its sandwich norms three; captions of 500 and 480 rows are padded (and masked) to 512."""
+    its sandwich norms three, its feed-forward's SwiGLU one; captions of 500 and 480 rows are padded
+    (and masked) to 512."""
     model = support.transformer(
         dim=3840,
         n_heads=30,
@@ -63,4 +64,4 @@ def test_at_z_image_turbos_width(dtype: torch.dtype, batch: int) -> None:
             torch.randn(n, 2560, generator=gen, device="cuda").to(dtype) for n in (500, 480)[:batch]
         ],
     }
-    _check(model, inputs, 3 * 4)
+    _check(model, inputs, 3 * 5)

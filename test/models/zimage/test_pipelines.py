@@ -19,41 +19,6 @@ pytest.importorskip("diffusers.pipelines.z_image")
 STEPS = 2
 
 
-def _pipeline(cls_name: str, **components: Any) -> Any:
-    """A Z-Image pipeline around the tiny transformer: a two-level AutoencoderKL of the transformer's 4
-    latent channels, diffusers' default scheduler, no text encoder (callers pass embeddings), and
-    `components` (a ControlNet)."""
-    import diffusers
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
-
-    torch.manual_seed(0)
-    vae = AutoencoderKL(
-        block_out_channels=(16, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=support.TINY["in_channels"],
-        norm_num_groups=8,
-        layers_per_block=1,
-        shift_factor=0.1,
-        scaling_factor=0.5,
-    ).eval()
-    pipe = getattr(diffusers, cls_name)(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        text_encoder=None,
-        tokenizer=None,
-        transformer=support.transformer(),
-        **components,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _embeds(seed: int, lengths: tuple[int, ...]) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, support.TINY["cap_feat_dim"], generator=gen) for n in lengths]
-
-
 def _compare(pipe: Any, **kwargs: Any) -> list[int]:
     """The pipeline's images alone and with enable(), equal bit for bit; the block calls the block code
     computed in the enabled run."""
@@ -82,11 +47,11 @@ def _compare(pipe: Any, **kwargs: Any) -> list[int]:
 
 
 def test_text_to_image_with_guidance(prologue_on_cpu: list) -> None:
-    pipe = _pipeline("ZImagePipeline")
+    pipe = support.pipeline("ZImagePipeline")
     ran = _compare(
         pipe,
-        prompt_embeds=_embeds(1, (9,)),
-        negative_prompt_embeds=_embeds(2, (5,)),
+        prompt_embeds=support.embeds(1, (9,)),
+        negative_prompt_embeds=support.embeds(2, (5,)),
         guidance_scale=4.0,
         height=24,
         width=40,
@@ -97,14 +62,14 @@ def test_text_to_image_with_guidance(prologue_on_cpu: list) -> None:
 
 
 def test_image_to_image(prologue_on_cpu: list) -> None:
-    pipe = _pipeline("ZImageImg2ImgPipeline")
+    pipe = support.pipeline("ZImageImg2ImgPipeline")
     image = torch.rand(1, 3, 24, 40, generator=torch.Generator().manual_seed(7))
     ran = _compare(
         pipe,
         image=image,
         strength=0.75,
-        prompt_embeds=_embeds(1, (9,)),
-        negative_prompt_embeds=_embeds(2, (9,)),
+        prompt_embeds=support.embeds(1, (9,)),
+        negative_prompt_embeds=support.embeds(2, (9,)),
         guidance_scale=3.0,
         height=24,
         width=40,
@@ -124,14 +89,14 @@ def _mask() -> torch.Tensor:
 
 
 def test_inpainting(prologue_on_cpu: list) -> None:
-    pipe = _pipeline("ZImageInpaintPipeline")
+    pipe = support.pipeline("ZImageInpaintPipeline")
     ran = _compare(
         pipe,
         image=_image(7),
         mask_image=_mask(),
         strength=0.8,
-        prompt_embeds=_embeds(1, (9,)),
-        negative_prompt_embeds=_embeds(2, (6,)),
+        prompt_embeds=support.embeds(1, (9,)),
+        negative_prompt_embeds=support.embeds(2, (6,)),
         guidance_scale=3.0,
         height=24,
         width=40,
@@ -155,13 +120,13 @@ def test_controlnet(control_in_dim: int, prologue_on_cpu: list) -> None:
     """ZImageControlNetPipeline: the ControlNet runs as diffusers' own (calling the transformer's
     refiner blocks, which run on the block code) and its residuals join the main layers as diffusers'
     forward adds them; wider control inputs (the 2.0 models) zero-padded by the pipeline."""
-    pipe = _pipeline("ZImageControlNetPipeline", controlnet=_controlnet(control_in_dim))
+    pipe = support.pipeline("ZImageControlNetPipeline", controlnet=_controlnet(control_in_dim))
     ran = _compare(
         pipe,
         control_image=_image(4),
         controlnet_conditioning_scale=0.7,
-        prompt_embeds=_embeds(1, (9,)),
-        negative_prompt_embeds=_embeds(2, (5,)),
+        prompt_embeds=support.embeds(1, (9,)),
+        negative_prompt_embeds=support.embeds(2, (5,)),
         guidance_scale=4.0,
         height=24,
         width=40,
@@ -174,7 +139,7 @@ def test_controlnet(control_in_dim: int, prologue_on_cpu: list) -> None:
 def test_controlnet_inpainting(prologue_on_cpu: list) -> None:
     """ZImageControlNetInpaintPipeline: the control image's latents with the mask and the masked
     image's latents (2C + 1 channels) as the ControlNet's input."""
-    pipe = _pipeline(
+    pipe = support.pipeline(
         "ZImageControlNetInpaintPipeline", controlnet=_controlnet(2 * support.TINY["in_channels"] + 1)
     )
     ran = _compare(
@@ -183,8 +148,8 @@ def test_controlnet_inpainting(prologue_on_cpu: list) -> None:
         mask_image=_mask(),
         control_image=_image(4),
         controlnet_conditioning_scale=0.7,
-        prompt_embeds=_embeds(1, (9,)),
-        negative_prompt_embeds=_embeds(2, (5,)),
+        prompt_embeds=support.embeds(1, (9,)),
+        negative_prompt_embeds=support.embeds(2, (5,)),
         guidance_scale=4.0,
         height=24,
         width=40,
