@@ -156,3 +156,35 @@ def test_controlnet_inpainting(prologue_on_cpu: list) -> None:
         num_inference_steps=STEPS,
     )
     assert ran and all(ran)
+
+
+def test_cache_dit_in_either_order(prologue_on_cpu: list) -> None:
+    """cache-dit's DBCache on the pipeline, before or after enable(): the pipeline's images are the
+    cache's alone, the blocks the cache runs run the block code, and it skips some (fewer than every
+    block of every step). (diffusers' own caches do not take Z-Image: its transformer has no
+    `enable_cache` and its pipelines set no cache context, and its blocks' arguments are not those
+    FirstBlockCache reads.)"""
+    cache_dit = pytest.importorskip("cache_dit")
+    images = {}
+    for order in ("alone", "enable-then-cache", "cache-then-enable"):
+        pipe = support.pipeline("ZImagePipeline", support.transformer(n_layers=4))
+        handle = enable(pipe) if order == "enable-then-cache" else None
+        config = cache_dit.DBCacheConfig(
+            Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=10.0, max_warmup_steps=1
+        )
+        cache_dit.enable_cache(pipe, cache_config=config)
+        handle = enable(pipe) if order == "cache-then-enable" else handle
+        prologue_on_cpu.clear()
+        with torch.inference_mode():
+            images[order] = pipe(
+                prompt_embeds=support.embeds(1, (9,)),
+                num_inference_steps=6,
+                guidance_scale=0.0,
+                height=24,
+                width=40,
+                generator=torch.Generator().manual_seed(1),
+                output_type="pt",
+            ).images
+        assert (len(prologue_on_cpu) > 0) == (handle is not None)
+        assert len(prologue_on_cpu) < 6 * (4 + 2 * support.TINY["n_refiner_layers"])
+    assert all(torch.equal(image, images["alone"]) for image in images.values())
