@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import float8_linear
+
 # q, k, v [B, S, H, head_dim] (text rows first) -> attention output [B, S, H * head_dim].
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -318,6 +320,13 @@ class ModuleHost:
         return module(*args, **kwargs)
 
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The module's call, or for a plain `nn.Linear` holding a torchao float8 weight the same
+        output with the activation quantized by the `float8_quant` op (`float8_linear`)."""
+        plain = type(module) is nn.Linear and unwrapped(module, self.own_forwards)
+        if plain and methods_unpatched(nn.Linear):
+            out = float8_linear.linear(module, x)
+            if out is not None:
+                return out
         return module(x)
 
     def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import float8_linear
 from ..host import Attention, Host, RMSNormParameters
 from ..ops import gelu_tanh, qk_norm_rope, swiglu
 from ..ops.qk_norm_rope import Segment
@@ -145,7 +146,8 @@ def qkv_projections(
     if getattr(attn, "fused_projections", False):
         parts = host.linear(getattr(attn, fused), x).chunk(3, dim=-1)
     else:
-        parts = tuple(host.linear(getattr(attn, name), x) for name in separate)
+        with float8_linear.shared(x):
+            parts = tuple(host.linear(getattr(attn, name), x) for name in separate)
     query, key, value = (t.unflatten(-1, shape) for t in parts)
     return query, key, value
 

@@ -26,6 +26,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from ... import float8_linear
 from ...host import Host, methods_unpatched
 from ...ops import sandwich_norm, swiglu
 from ...ops.qk_norm_rope.reference import complex_tables
@@ -88,8 +89,9 @@ def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, h: torch.Tensor) -> 
     instance); else the module's own call."""
     if not (host.plain(ff) and methods_unpatched(type(ff), GATING) and GATING[0] not in ff.__dict__):
         return host.call(ff, h)
-    gate = host.linear(ff.w1, h)
-    return host.linear(ff.w2, swiglu.apply(gate, b=host.linear(ff.w3, h), enabled=fusion.fused))
+    with float8_linear.shared(h):
+        gate, up = host.linear(ff.w1, h), host.linear(ff.w3, h)
+    return host.linear(ff.w2, swiglu.apply(gate, b=up, enabled=fusion.fused))
 
 
 def modulation(block: nn.Module, host: Host, adaln_input: torch.Tensor) -> list[torch.Tensor]:

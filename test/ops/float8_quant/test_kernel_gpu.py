@@ -1,0 +1,77 @@
+"""GPU tests: the float8 quantization kernels equal torchao's eager chain byte for byte (run with
+`pytest -m gpu`): scales per row and per tensor, bf16 and fp16, the widths of FLUX's and Z-Image's
+Linear inputs, edge rows, every bf16 value, random bit patterns, streams and graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flux2_fused.ops import every_bit_pattern, random_bits
+from flux2_fused.ops.float8_quant import decline_reason, float8_quant, guards, reference
+from flux2_fused.ops.float8_quant.selfcheck import edge_rows, same
+
+pytestmark = pytest.mark.gpu
+GRANULARITIES = ["row", "tensor"]
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("batch", "tokens"), [(1, 1), (1, 4608), (2, 37)])
+@pytest.mark.parametrize("cols", [8, 3072, 3840, 9216, 10240, 24576])
+def test_rows_equal_torchaos_chain(cols, batch, tokens, dtype, granularity, gen):
+    x = (torch.randn(batch, tokens, cols, generator=gen, device="cuda") * 4).to(dtype)
+    assert decline_reason(x, granularity) is None
+    assert same(float8_quant(x, granularity), reference.quantize(x, granularity))
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_edge_rows(dtype, granularity, gen):
+    """Zero, tiny, subnormal, at and past 448, huge, NaN and +-Inf rows (with a tensor scale the NaN
+    rows make every element NaN: eager's bits too)."""
+    x = (torch.randn(2, 12, 1040, generator=gen, device="cuda") * 3).to(dtype)
+    edge_rows(x)
+    assert same(float8_quant(x, granularity), reference.quantize(x, granularity))
+    x[0, 5:8] = 1.0  # no NaN or Inf left: a finite tensor scale
+    assert same(float8_quant(x, granularity), reference.quantize(x, granularity))
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_every_bf16_value(granularity):
+    """All 65536 bf16 patterns as 64 rows of 1024, each row's scale its own; then every finite one
+    under one scale."""
+    x = every_bit_pattern(torch.bfloat16, "cuda").view(64, 1024)
+    assert same(float8_quant(x, granularity), reference.quantize(x, granularity))
+    finite = x.flatten()[x.flatten().isfinite()]
+    finite = finite[: finite.numel() // 8 * 8].view(-1, 8)
+    assert same(float8_quant(finite, granularity), reference.quantize(finite, granularity))
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_random_bit_patterns(dtype, granularity, gen):
+    for _ in range(4):
+        x = random_bits((3, 129, 1024), dtype, gen)
+        assert same(float8_quant(x, granularity), reference.quantize(x, granularity))
+
+
+def test_follows_current_stream_and_graph_capture(gen):
+    x = (torch.randn(2, 300, 3072, generator=gen, device="cuda") * 4).to(torch.bfloat16)
+    assert guards.decline_reason(x) is None  # the self-check runs here
+    for granularity in GRANULARITIES:
+        expected = reference.quantize(x, granularity)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            got = float8_quant(x, granularity)
+        torch.cuda.current_stream().wait_stream(side)
+        assert same(got, expected)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = float8_quant(x, granularity)
+        for t in captured:
+            t.view(torch.uint8).fill_(0)
+        graph.replay()
+        assert same(captured, expected)
