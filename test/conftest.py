@@ -116,9 +116,13 @@ def fused_sites(double_blocks: int, single_blocks: int) -> int:
     return DOUBLE_BLOCK_SITES * double_blocks + SINGLE_BLOCK_SITES * single_blocks + OUTPUT_SITES
 
 
-def fused_launches(fn: Callable[[], object]) -> int:
-    """Our kernels' launches in one call of fn (torch.profiler)."""
+# The block sites' kernels: float8_quant's launches (torchao float8 linears' inputs) are counted apart.
+SITE_KERNELS = tuple(k for k in FUSED_KERNELS if k != "float8_quant_kernel")
+
+
+def fused_launches(fn: Callable[[], object], kernels: tuple[str, ...] = FUSED_KERNELS) -> int:
+    """Our kernels' launches in one call of fn (torch.profiler), those of `kernels` (default all)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(any(k in e.name for k in FUSED_KERNELS) for e in prof.events() if e.device_type.name == "CUDA")
+    return sum(any(k in e.name for k in kernels) for e in prof.events() if e.device_type.name == "CUDA")

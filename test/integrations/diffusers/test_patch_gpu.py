@@ -23,8 +23,9 @@ from torch import nn
 from flux2_fused.bench import flux1, hosts
 from flux2_fused.integrations.diffusers import enable
 from flux2_fused.models.flux2 import Flux2Config
+from flux2_fused.ops import float8_quant
 
-from ...conftest import fused_launches, fused_sites
+from ...conftest import SITE_KERNELS, fused_launches, fused_sites
 from .test_patch import _inputs, assert_same_kv_caches, use_kv_processors
 
 pytestmark = pytest.mark.gpu
@@ -137,7 +138,7 @@ def fully_fused(family: Family, plain: nn.Module, inputs: dict) -> int:
 
 def _outcome(family: Family, setup: Setup, inputs: dict, enable_at: str | None) -> tuple[torch.Tensor, int]:
     """A fresh model's output after `setup`, with enable() "first", "last" or not at all (None), and
-    our launches in one more call."""
+    the block sites' launches in one more call."""
     model = family.model()
     if enable_at == "first":
         enable(model)
@@ -146,7 +147,7 @@ def _outcome(family: Family, setup: Setup, inputs: dict, enable_at: str | None) 
         enable(model)
     with torch.inference_mode():
         out = model(**inputs).sample.cpu()
-        return out, fused_launches(lambda: model(**inputs))
+        return out, fused_launches(lambda: model(**inputs), SITE_KERNELS)
 
 
 def _patched_vs_diffusers(
@@ -321,8 +322,9 @@ def test_torchao_weight_only_stays_fully_fused(
 def test_torchao_dynamic_quantization_stays_fully_fused(
     family: Family, config_name: str, granularity: str | None, inputs: dict, fully_fused: int
 ) -> None:
-    """Dynamically quantized activations and weights (torchao): the quantized linears run as modules,
-    every elementwise site around them fuses, and the output is the quantized model's alone."""
+    """Dynamically quantized activations and weights (torchao): every elementwise site around the
+    quantized linears fuses, the block code's float8 linears get their inputs from `float8_quant`
+    (int8 linears run as modules), and the output is the quantized model's alone."""
     quantization = pytest.importorskip("torchao.quantization")
     if config_name.startswith("Float8") and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs sm_89 or newer")
@@ -332,6 +334,13 @@ def test_torchao_dynamic_quantization_stays_fully_fused(
         quantization.quantize_(model, getattr(quantization, config_name)(**kwargs))
 
     assert _patched_vs_diffusers(family, setup, inputs) == fully_fused
+    model = family.model()
+    setup(model)
+    enable(model)
+    with torch.inference_mode():
+        model(**inputs)
+        quantized = fused_launches(lambda: model(**inputs), (float8_quant.KERNEL,))
+    assert (quantized > 0) == config_name.startswith("Float8")
 
 
 @pytest.mark.parametrize("granularity", ["PerRow", "PerTensor"])

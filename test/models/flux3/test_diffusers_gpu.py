@@ -14,7 +14,7 @@ import torch
 from flux2_fused.bench import flux3
 from flux2_fused.integrations.diffusers import enable
 
-from ...conftest import fused_launches
+from ...conftest import SITE_KERNELS, fused_launches
 from .support import fused_sites
 
 pytestmark = pytest.mark.gpu
@@ -26,7 +26,7 @@ def _compare(model: torch.nn.Module, inputs: dict[str, Any], references: bool) -
         expected = model(**inputs, return_dict=False)[0]
         handle = enable(model)
         patched = model(**inputs, return_dict=False)[0]
-        launches = fused_launches(lambda: model(**inputs, return_dict=False))
+        launches = fused_launches(lambda: model(**inputs, return_dict=False), SITE_KERNELS)
         handle.disable()
     assert torch.equal(patched.view(torch.int16), expected.view(torch.int16))
     assert launches == fused_sites(model, references)
