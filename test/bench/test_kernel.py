@@ -26,6 +26,7 @@ from flux2_fused.errors import BadValue
         ("sandwich_norm", "3840x4608", (3840, 4608, "")),
         ("sandwich_norm", "3840x4608:last", (3840, 4608, "last")),
         ("swiglu", "10240x4608:pair", (10240, 4608, "pair")),
+        ("float8_quant", "3072x4608:tensor", (3072, 4608, "tensor")),
     ],
 )
 def test_each_ops_layouts_parse(op: str, item: str, parsed: tuple[int, int, str]) -> None:
@@ -68,3 +69,5 @@ def test_an_output_a_site_does_not_produce_compares_as_none() -> None:
     t = torch.ones(2, 3)
     assert kernel._same(None, None) and kernel._same(t, t.clone())
     assert not kernel._same(None, t) and not kernel._same(t, None)
+    q = torch.tensor([0.5, float("nan")]).to(torch.float8_e4m3fn)
+    assert kernel._same(q, q.clone()) and not kernel._same(q, torch.zeros_like(q))

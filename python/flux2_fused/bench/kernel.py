@@ -29,6 +29,8 @@ Sites (`--op`), the floors' bytes counted for bf16:
   two [B, T, H] projections), [B, T, H] out; the floor moves 6 bytes an output element.
 - gelu_tanh, shapes HxT: one FLUX.1 MLP activation (`gelu(approximate="tanh")`), [B, T, H] in and
   out; the floor moves 4 bytes an element.
+- float8_quant, shapes KxT (KxT:tensor: one scale for the tensor): torchao's float8 quantization of
+  a [B, T, K] Linear input, e4m3fn bytes and a scale a row out; the floor moves 3 bytes an element.
 
 For each shape: the eager chain, the eager chain replayed from a CUDA graph, torch.compile of the
 chain (not bit-exact; for reference), and the fused version, plain and in a CUDA graph. Medians in
@@ -50,7 +52,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import BadValue
-from ..ops import bits_equal, gated_resnorm, gelu_tanh, qk_norm_rope, sandwich_norm, swiglu
+from ..ops import bits_equal, float8_quant, gated_resnorm, gelu_tanh, qk_norm_rope, sandwich_norm, swiglu
 from ..ops.qk_norm_rope.selfcheck import HEAD_DIM, rope_tables
 from .options import require_at_least_one
 from .report import KernelReport, KernelRow, format_kernel_table, write_json
@@ -93,6 +95,9 @@ DEFAULT_SHAPES = {
     "swiglu": ["9216x4608", "18432x4608", "9216x512", "18432x4096", "10240x4608:pair"],
     # FLUX.1-dev's MLP (3072 x 4): the single block's joint rows, the image rows, the text rows.
     "gelu_tanh": ["12288x4608", "12288x4096", "12288x512"],
+    # klein-4B's Linear inputs at 1024x1024: the hidden rows, the MLP's hidden rows (per row and per
+    # tensor).
+    "float8_quant": ["3072x4608", "9216x4608", "3072x4608:tensor"],
 }
 # What a --shapes item of each op looks like, and the layouts after its colon ("" for none).
 SHAPE_FORMS = {
@@ -101,6 +106,7 @@ SHAPE_FORMS = {
     "sandwich_norm": "DxT, DxT:first or DxT:last (hidden x tokens, e.g. 3840x4608)",
     "swiglu": "HxT or HxT:pair (hidden x tokens, e.g. 9216x4608; pair: a and b two tensors)",
     "gelu_tanh": "HxT (hidden x tokens, e.g. 12288x4608)",
+    "float8_quant": "KxT or KxT:tensor (row width x rows, e.g. 3072x4608; tensor: one scale)",
 }
 LAYOUTS = {
     "gated_resnorm": ("", "token", "update2", "twin"),
@@ -108,6 +114,7 @@ LAYOUTS = {
     "sandwich_norm": ("", "first", "last"),
     "swiglu": ("", "pair"),
     "gelu_tanh": ("",),
+    "float8_quant": ("", "tensor"),
 }
 L2_FLUSH_BYTES = 256 << 20
 GRAPH_REPEATS = 20
@@ -137,6 +144,8 @@ def _same(got: torch.Tensor | None, ref: torch.Tensor | None) -> bool:
     (sandwich_norm's last site has no next norm)."""
     if got is None or ref is None:
         return got is None and ref is None
+    if got.dtype == torch.float8_e4m3fn:  # bytes: NaN is one pattern here, and isnan is not defined
+        return ref.dtype == got.dtype and torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
     return bits_equal(got, ref)
 
 
@@ -344,12 +353,31 @@ def gelu_tanh_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype) -> 
     )
 
 
+def float8_quant_case(cols: int, tokens: int, batch: int, dtype: torch.dtype, layout: str = "") -> Case:
+    """One torchao float8 activation quantization: [B, T, K] in, its e4m3fn bytes and scales out (a
+    scale a row, or one for the tensor with layout "tensor")."""
+    _check_layout("float8_quant", layout)
+    granularity = layout or "row"
+
+    def make() -> tuple:
+        return ((torch.randn(batch, tokens, cols, device="cuda") * 4).to(dtype), granularity)
+
+    elements = batch * tokens * cols
+    floor_bytes = elements * (dtype.itemsize + 1)
+    sets = _sets(make, floor_bytes)
+    if float8_quant.decline_reason(*sets[0]) is not None:
+        raise RuntimeError(f"fused path declined K={cols} T={tokens} {granularity}")
+    label = f"float8_quant {layout}".strip()
+    return Case(sets, float8_quant.reference.quantize, float8_quant.float8_quant, floor_bytes, cols, label)
+
+
 CASES = {
     "gated_resnorm": gated_resnorm_case,
     "qk_norm_rope": qk_norm_rope_case,
     "sandwich_norm": sandwich_norm_case,
     "swiglu": swiglu_case,
     "gelu_tanh": gelu_tanh_case,
+    "float8_quant": float8_quant_case,
 }
 
 
