@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flux2_fused.models.flux2 import blocks
-from flux2_fused.ops import FUSED_KERNELS
+from flux2_fused.ops import FUSED_KERNELS, bits_equal
 
 # Our launches in one transformer call with every site fused, the same for both families: a double
 # block's four modulated norms (norm1 and norm2 of each stream), its joint q/k/v prologue and its two
@@ -126,3 +126,20 @@ def fused_launches(fn: Callable[[], object], kernels: tuple[str, ...] = FUSED_KE
         fn()
         torch.cuda.synchronize()
     return sum(any(k in e.name for k in kernels) for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def images_alone_and_enabled(pipe: Any, run: Callable[[], torch.Tensor]) -> int:
+    """`run()` (a pipeline call returning its images) alone and with enable(pipe) gives equal bits;
+    returns our kernels' launches in one more enabled call."""
+    from flux2_fused.integrations.diffusers import enable
+
+    with torch.inference_mode():
+        expected = run()
+        handle = enable(pipe)
+        try:
+            got = run()
+            launches = fused_launches(run)
+        finally:
+            handle.disable()
+    assert bits_equal(got, expected)
+    return launches

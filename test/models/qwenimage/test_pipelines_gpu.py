@@ -7,10 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux2_fused.integrations.diffusers import enable
-from flux2_fused.ops import bits_equal
-
-from ...conftest import fused_launches
+from ...conftest import images_alone_and_enabled
 from . import support
 from .test_pipelines import _prompts
 
@@ -38,14 +35,6 @@ def test_text_to_image_with_true_cfg() -> None:
             output_type="pt",
         ).images
 
-    with torch.inference_mode():
-        expected = run()
-        handle = enable(pipe)
-        try:
-            got = run()
-            launches = fused_launches(run)
-        finally:
-            handle.disable()
-    assert bits_equal(got, expected)
+    launches = images_alone_and_enabled(pipe, run)
     # a prompt's and a negative prompt's call a step: 7 launches a block, the output norm
     assert launches == STEPS * 2 * (7 * support.TINY["num_layers"] + 1)

@@ -46,36 +46,15 @@ def _compare(pipe: Any, **kwargs: Any) -> list[int]:
     return ran
 
 
-def test_text_to_image_with_guidance(prologue_on_cpu: list) -> None:
-    pipe = support.pipeline("ZImagePipeline")
-    ran = _compare(
-        pipe,
-        prompt_embeds=support.embeds(1, (9,)),
-        negative_prompt_embeds=support.embeds(2, (5,)),
-        guidance_scale=4.0,
-        height=24,
-        width=40,
-        num_inference_steps=STEPS,
-    )
-    assert all(ran) and len(ran) == STEPS * support.BLOCKS  # the CFG batch runs as one call a step
-    assert len(prologue_on_cpu) == len(ran)
-
-
-def test_image_to_image(prologue_on_cpu: list) -> None:
-    pipe = support.pipeline("ZImageImg2ImgPipeline")
-    image = torch.rand(1, 3, 24, 40, generator=torch.Generator().manual_seed(7))
-    ran = _compare(
-        pipe,
-        image=image,
-        strength=0.75,
-        prompt_embeds=support.embeds(1, (9,)),
-        negative_prompt_embeds=support.embeds(2, (9,)),
-        guidance_scale=3.0,
-        height=24,
-        width=40,
-        num_inference_steps=4,
-    )
-    assert ran and all(ran)
+def _prompts(negative: int = 5, guidance: float = 4.0) -> dict[str, Any]:
+    """A 9-token prompt and a `negative`-token negative prompt at `guidance`, a 24x40 image."""
+    return {
+        "prompt_embeds": support.embeds(1, (9,)),
+        "negative_prompt_embeds": support.embeds(2, (negative,)),
+        "guidance_scale": guidance,
+        "height": 24,
+        "width": 40,
+    }
 
 
 def _image(seed: int) -> torch.Tensor:
@@ -88,6 +67,25 @@ def _mask() -> torch.Tensor:
     return mask
 
 
+def test_text_to_image_with_guidance(prologue_on_cpu: list) -> None:
+    pipe = support.pipeline("ZImagePipeline")
+    ran = _compare(
+        pipe,
+        num_inference_steps=STEPS,
+        **_prompts(),
+    )
+    assert all(ran) and len(ran) == STEPS * support.BLOCKS  # the CFG batch runs as one call a step
+    assert len(prologue_on_cpu) == len(ran)
+
+
+def test_image_to_image(prologue_on_cpu: list) -> None:
+    pipe = support.pipeline("ZImageImg2ImgPipeline")
+    ran = _compare(
+        pipe, image=_image(7), strength=0.75, num_inference_steps=4, **_prompts(negative=9, guidance=3.0)
+    )
+    assert ran and all(ran)
+
+
 def test_inpainting(prologue_on_cpu: list) -> None:
     pipe = support.pipeline("ZImageInpaintPipeline")
     ran = _compare(
@@ -95,12 +93,8 @@ def test_inpainting(prologue_on_cpu: list) -> None:
         image=_image(7),
         mask_image=_mask(),
         strength=0.8,
-        prompt_embeds=support.embeds(1, (9,)),
-        negative_prompt_embeds=support.embeds(2, (6,)),
-        guidance_scale=3.0,
-        height=24,
-        width=40,
         num_inference_steps=4,
+        **_prompts(negative=6, guidance=3.0),
     )
     assert ran and all(ran) and len(prologue_on_cpu) == len(ran)
 
@@ -125,12 +119,8 @@ def test_controlnet(control_in_dim: int, prologue_on_cpu: list) -> None:
         pipe,
         control_image=_image(4),
         controlnet_conditioning_scale=0.7,
-        prompt_embeds=support.embeds(1, (9,)),
-        negative_prompt_embeds=support.embeds(2, (5,)),
-        guidance_scale=4.0,
-        height=24,
-        width=40,
         num_inference_steps=STEPS,
+        **_prompts(),
     )
     refiners = 2 * support.TINY["n_refiner_layers"]  # the ControlNet's calls of the shared refiners
     assert all(ran) and len(ran) == STEPS * (support.BLOCKS + refiners)
@@ -148,12 +138,8 @@ def test_controlnet_inpainting(prologue_on_cpu: list) -> None:
         mask_image=_mask(),
         control_image=_image(4),
         controlnet_conditioning_scale=0.7,
-        prompt_embeds=support.embeds(1, (9,)),
-        negative_prompt_embeds=support.embeds(2, (5,)),
-        guidance_scale=4.0,
-        height=24,
-        width=40,
         num_inference_steps=STEPS,
+        **_prompts(),
     )
     assert ran and all(ran)
 

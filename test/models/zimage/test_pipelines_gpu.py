@@ -10,10 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from flux2_fused.integrations.diffusers import enable
-from flux2_fused.ops import bits_equal
-
-from ...conftest import fused_launches
+from ...conftest import images_alone_and_enabled
 from . import support
 
 pytestmark = pytest.mark.gpu
@@ -32,22 +29,9 @@ def _cuda(embeds: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _images_both_ways(pipe: Any, **kwargs: Any) -> int:
-    """The pipeline's images alone and with enable(pipe), equal bit for bit; our kernels' launches
-    in the enabled call."""
-
-    def run() -> torch.Tensor:
-        return pipe(**kwargs, generator=torch.Generator().manual_seed(5), output_type="pt").images
-
-    with torch.inference_mode():
-        expected = run()
-        handle = enable(pipe)
-        try:
-            got = run()
-            launches = fused_launches(run)
-        finally:
-            handle.disable()
-    assert bits_equal(got, expected)
-    return launches
+    return images_alone_and_enabled(
+        pipe, lambda: pipe(**kwargs, generator=torch.Generator().manual_seed(5), output_type="pt").images
+    )
 
 
 def test_text_to_image_with_guidance() -> None:
