@@ -233,7 +233,8 @@ OFFLOADS = ("none", "model", "group")
 # torchao quantizations of the diffusers host's linears (`bench.hosts.QUANTIZATIONS` builds them).
 QUANTIZATIONS = ("none", "float8-row", "float8-tensor", "int8")
 # `flux2-fused kernel`
-KERNEL_OPS = ("gated_resnorm", "qk_norm_rope", "sandwich_norm", "swiglu", "gelu_tanh")  # kernel.CASES' names
+# kernel.CASES' names
+KERNEL_OPS = ("gated_resnorm", "qk_norm_rope", "sandwich_norm", "swiglu", "gelu_tanh", "float8_quant")
 KERNEL_DTYPES = ("bf16", "fp16")  # kernel.DTYPES' names
 
 
@@ -416,7 +417,8 @@ def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
         "qk_norm_rope: HxT (heads x joint tokens) for a double block's prologue, e.g. 24x4608, HxT:single "
         "for a single block's, HxT:upcast for FLUX.3's fp32 one, HxT:qwen for Qwen-Image's; sandwich_norm: "
         "DxT for Z-Image's middle sandwich site, DxT:first, DxT:last; swiglu, gelu_tanh: HxT (hidden x "
-        "tokens) (default: the op's headline shapes)",
+        "tokens), swiglu HxT:pair for two projections; float8_quant: KxT (row width x rows), KxT:tensor "
+        "for one scale (default: the op's headline shapes)",
     )
     parser.add_argument(
         "--batch", type=int, default=1, metavar="B", help="batch size B of [B, T, D] (default 1)"
