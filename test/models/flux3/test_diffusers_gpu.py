@@ -61,8 +61,9 @@ def test_flow_map_small() -> None:
 @pytest.mark.parametrize("granularity", ["PerRow", "PerTensor"])
 def test_torchao_float8_small_is_the_quantized_models_bit_for_bit_and_fused(granularity: str) -> None:
     """torchao's dynamic float8 quantization (activations and weights scaled per row or per tensor) of
-    every Linear: the quantized linears run as modules, every elementwise site around them fuses, and
-    the output is the quantized model's own; with a reference image, so all three modes run."""
+    every Linear: the block code's quantized linears take their inputs from `float8_quant`, every
+    elementwise site around them fuses, and the output is the quantized model's own; with a reference
+    image, so all three modes run."""
     quantization = pytest.importorskip("torchao.quantization")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs sm_89 or newer")
