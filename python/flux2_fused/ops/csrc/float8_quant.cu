@@ -56,7 +56,14 @@ void run(TensorView q, TensorView scale, TensorView x, Optional<TensorView> amax
     const int64_t blocks = std::min<int64_t>((vectors + kThreads - 1) / kThreads, int64_t{4} * sms);
     float8_quant_kernel_amax<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
   }
-  float8_quant_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(p);
+  const int warps = warps_per_row(cols);
+  const unsigned grid = static_cast<unsigned>((rows * warps + kWarps - 1) / kWarps);
+  switch (warps) {
+    case 1: float8_quant_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p); break;
+    case 2: float8_quant_kernel<T, 2><<<grid, kThreads, 0, stream>>>(p); break;
+    case 4: float8_quant_kernel<T, 4><<<grid, kThreads, 0, stream>>>(p); break;
+    default: float8_quant_kernel<T, 8><<<grid, kThreads, 0, stream>>>(p); break;
+  }
   const cudaError_t err = cudaGetLastError();
   TVM_FFI_ICHECK(err == cudaSuccess) << "float8_quant launch failed: " << cudaGetErrorString(err);
 }

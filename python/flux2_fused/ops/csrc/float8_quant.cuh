@@ -5,9 +5,11 @@
 //                                                      product with its float reciprocal, rounded to T
 //   q     = e4m3fn(clamp(RN(float(x) / scale), -448, 448))   IEEE division; clamp keeps NaN; c10's
 //                                                      round-to-nearest-even conversion
-// (docs/numerics.md, 15). One block a row holds the row in registers: the amax of the row, then its
-// elements quantized. For a whole-tensor scale, a first launch reduces |x| into one word with an
-// atomic max (the order of a max does not matter), and the row launch reads the scale from it.
+// (docs/numerics.md, 15). kWarpsPerRow warps hold a row in registers (one warp up to K = 3072, more for
+// wider rows, at most 12 vectors of 8 elements a thread), so a block of 8 warps works on 8, 4, 2 or 1
+// rows at once with all of their loads in flight: the amax of the row, then its elements quantized.
+// For a whole-tensor scale, a first launch reduces |x| into one word with an atomic max (the order of
+// a max does not matter), and the row launch reads the scale from it.
 //
 // The amax is taken on the magnitude bits of T (sign cleared): they order as |x| does, with every NaN
 // above +Inf, so an integer max is NaN-propagating as aten's amax is.
@@ -21,6 +23,7 @@ namespace flux2_fused {
 namespace float8_quant {
 
 constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
 constexpr int kMaxVecs = 12;  // 8-element vectors a thread holds: K up to 256 x 12 x 8 = 24576
 constexpr float kE4m3Max = 448.0f;
 
@@ -120,30 +123,45 @@ __global__ void __launch_bounds__(kThreads) float8_quant_kernel_amax(const Param
   if (threadIdx.x == 0) atomicMax(p.amax, m);
 }
 
-// One row a block: its amax (or the tensor's), its scale, its elements quantized.
-template <typename T>
+// kWarpsPerRow warps a row, 8 / kWarpsPerRow rows a block: each row's amax (or the tensor's), its
+// scale, its elements quantized.
+template <typename T, int kWarpsPerRow>
 __global__ void __launch_bounds__(kThreads) float8_quant_kernel(const Params<T> p) {
-  const int64_t row = blockIdx.x;
+  constexpr int kRowThreads = 32 * kWarpsPerRow;
+  __shared__ unsigned int warp_max[kWarps];
+  const int warp = threadIdx.x >> 5;
+  const int group = warp / kWarpsPerRow;            // the block's row this thread works on
+  const int t = threadIdx.x - group * kRowThreads;  // its thread within the row
+  const int64_t row = int64_t(blockIdx.x) * (kWarps / kWarpsPerRow) + group;
+  const bool live = row < p.rows;  // a block's last rows may be past the end: no loads, no stores
   const int vectors = p.cols / 8;
   const uint4* x = reinterpret_cast<const uint4*>(p.x + row * p.cols);
   Oct<T> v[kMaxVecs];
   unsigned int m = 0;
 #pragma unroll
   for (int j = 0; j < kMaxVecs; ++j) {
-    const int i = threadIdx.x + j * kThreads;
-    if (i < vectors) {
+    const int i = t + j * kRowThreads;
+    if (live && i < vectors) {
       const uint4 raw = __ldcs(x + i);
       v[j] = *reinterpret_cast<const Oct<T>*>(&raw);
       m = max(m, vector_max<T>(v[j]));
     }
   }
-  const unsigned int amax = p.amax != nullptr ? *p.amax : block_max(m);
+  m = __reduce_max_sync(0xffffffffu, m);
+  if constexpr (kWarpsPerRow > 1) {
+    if ((threadIdx.x & 31) == 0) warp_max[warp] = m;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < kWarpsPerRow; ++w) m = max(m, warp_max[group * kWarpsPerRow + w]);
+  }
+  if (!live) return;
+  const unsigned int amax = p.amax != nullptr ? *p.amax : m;
   const float scale = scale_of<T>(amax);
-  if (threadIdx.x == 0 && (p.amax == nullptr || row == 0)) p.scale[p.amax == nullptr ? row : 0] = scale;
+  if (t == 0 && (p.amax == nullptr || row == 0)) p.scale[p.amax == nullptr ? row : 0] = scale;
   uint2* q = reinterpret_cast<uint2*>(p.q + row * p.cols);
 #pragma unroll
   for (int j = 0; j < kMaxVecs; ++j) {
-    const int i = threadIdx.x + j * kThreads;
+    const int i = t + j * kRowThreads;
     if (i < vectors) {
       uint2 packed = make_uint2(0u, 0u);
 #pragma unroll
@@ -154,6 +172,13 @@ __global__ void __launch_bounds__(kThreads) float8_quant_kernel(const Params<T> 
       __stcs(q + i, packed);
     }
   }
+}
+
+// The warps a row takes: the fewest (1, 2, 4, 8) whose threads hold its K / 8 vectors in kMaxVecs each.
+inline int warps_per_row(int64_t cols) {
+  int warps = 1;
+  while (warps < kWarps && cols / 8 > int64_t{32} * warps * kMaxVecs) warps *= 2;
+  return warps;
 }
 
 }  // namespace float8_quant
