@@ -36,12 +36,18 @@ _bare: dict[int, tuple[weakref.ref, Any]] = {}
 _shared: dict[str, Any] = {}
 
 
+def is_float8(weight: Any) -> bool:
+    """Whether `weight` is a torchao `Float8Tensor` (by name: torchao need not be installed), a check
+    cheap enough for every projection call."""
+    cls = type(weight)
+    return cls.__name__ == "Float8Tensor" and cls.__module__.startswith("torchao.")
+
+
 def _recipe(weight: Any) -> tuple[str, Any] | None:
     """(granularity, torchao's activation kwargs) of a torchao float8 weight whose activation
     quantization takes torchao's torch path (the one `float8_quant` reproduces); None for any other
     weight."""
-    cls = type(weight)
-    if cls.__name__ != "Float8Tensor" or not cls.__module__.startswith("torchao."):
+    if not is_float8(weight):
         return None
     from torchao.quantization.granularity import PerRow, PerTensor
     from torchao.quantization.quantize_.workflows.float8.float8_tensor import KernelPreference

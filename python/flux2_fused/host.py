@@ -322,8 +322,8 @@ class ModuleHost:
     def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The module's call, or for a plain `nn.Linear` holding a torchao float8 weight the same
         output with the activation quantized by the `float8_quant` op (`float8_linear`)."""
-        plain = type(module) is nn.Linear and unwrapped(module, self.own_forwards)
-        if plain and methods_unpatched(nn.Linear):
+        float8 = float8_linear.is_float8(getattr(module, "weight", None)) and type(module) is nn.Linear
+        if float8 and unwrapped(module, self.own_forwards) and methods_unpatched(nn.Linear):
             out = float8_linear.linear(module, x)
             if out is not None:
                 return out
