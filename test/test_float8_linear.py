@@ -130,3 +130,16 @@ def test_wrapped_linears_autograd_and_the_kill_switch_run_the_module(monkeypatch
 def test_a_plain_weight_runs_the_module() -> None:
     module = nn.Linear(64, 48).to(BF16)
     assert float8_linear.linear(module, _x(2, 7, 64)) is None
+
+
+def test_a_weight_changed_after_a_call_is_read_anew() -> None:
+    """The bare weight kept for a Linear is re-made when the weight's config or tensors change (a
+    user switching fast accumulation off, or loading other float8 data): torchao's output each time."""
+    module, x = _linear(), _x(2, 7, 64)
+    with torch.inference_mode():
+        assert torch.equal(HOST.linear(module, x), module(x))
+        module.weight.mm_config = inference.Float8MMConfig(use_fast_accum=False)
+        assert torch.equal(HOST.linear(module, x), module(x))
+        other = _linear(seed=5).weight
+        module.weight.qdata, module.weight.scale = other.qdata, other.scale
+        assert torch.equal(HOST.linear(module, x), module(x))

@@ -30,8 +30,8 @@ from torch import nn
 from .ops import float8_quant, runtime
 
 # torchao's float8 weights re-wrapped without their activation recipe, by the id of the weight they
-# came from, with a weak reference to it (an id reused by a later weight is a new entry).
-_bare: dict[int, tuple[weakref.ref, Any]] = {}
+# came from: (a weak reference to it, the fields the wrapper was made of, the wrapper).
+_bare: dict[int, tuple[weakref.ref, tuple, Any]] = {}
 # Inside `shared(x)`: x, and its quantizations by granularity.
 _shared: dict[str, Any] = {}
 
@@ -97,24 +97,36 @@ def _quantized(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.T
     return values[granularity]
 
 
-def _bare_weight(weight: Any) -> Any:
-    """The weight as torchao holds it, without its activation recipe: its GEMM then takes an input
-    that is already quantized (torchao refuses one otherwise)."""
-    entry = _bare.get(id(weight))
-    if entry is not None and entry[0]() is weight:
-        return entry[1]
-    bare = type(weight)(
+def _fields(weight: Any) -> tuple:
+    """What the bare weight is made of: re-made when any of it changes (a new tensor, a new config)."""
+    return (
         weight.qdata,
         weight.scale,
-        weight.block_size,
+        tuple(weight.block_size),
         weight.mm_config,
-        None,
         weight.kernel_preference,
         weight.dtype,
     )
+
+
+def _bare_weight(weight: Any) -> Any:
+    """The weight as torchao holds it, without its activation recipe: its GEMM then takes an input
+    that is already quantized (torchao refuses one otherwise). Kept by the weight's id while the
+    weight lives and its fields are the same objects and values."""
+    fields = _fields(weight)
+    entry = _bare.get(id(weight))
+    if entry is not None and entry[0]() is weight and _same_fields(entry[1], fields):
+        return entry[2]
+    qdata, scale, block_size, mm_config, preference, dtype = fields
+    bare = type(weight)(qdata, scale, list(block_size), mm_config, None, preference, dtype)
     key = id(weight)
-    _bare[key] = (weakref.ref(weight, lambda _: _bare.pop(key, None)), bare)
+    _bare[key] = (weakref.ref(weight, lambda _: _bare.pop(key, None)), fields, bare)
     return bare
+
+
+def _same_fields(old: tuple, new: tuple) -> bool:
+    """The tensors by identity (a value compare would read them), the rest by value."""
+    return old[0] is new[0] and old[1] is new[1] and old[2:] == new[2:]
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
