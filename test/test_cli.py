@@ -981,7 +981,7 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         (
             ["step", "--host", "diffusers", "--floor", "--quantize", "int8"],
             None,
-            "--floor takes plain linears: without --quantize",
+            "--floor takes plain or float8 linears: not --quantize int8",
         ),
         (
             ["step", "--host", "diffusers", "--graph", "--offload", "model"],

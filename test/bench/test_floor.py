@@ -66,3 +66,25 @@ def test_outside_inference_mode_the_decomposed_products_are_noted_once() -> None
     weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
     held = [a for _, args, _ in calls for a in args if isinstance(a, torch.Tensor)]
     assert sum(t.untyped_storage().data_ptr() in weights for t in held) >= 2
+
+
+def test_torchao_float8_linears_are_recorded_as_their_scaled_gemms() -> None:
+    """The FP8 floor: a torchao float8 Linear (its weight as `quantize_` leaves it) reaches the recorder
+    as `_scaled_mm` on its float8 data, the activation's quantization (elementwise) left out; the
+    calls replay (torch's scaled GEMM runs on the CPU too)."""
+    float8 = pytest.importorskip("torchao.quantization.quantize_.workflows.float8.float8_tensor")
+    granularity = pytest.importorskip("torchao.quantization.granularity")
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32).to(torch.bfloat16)
+    act = float8.QuantizeTensorToFloat8Kwargs(torch.float8_e4m3fn, granularity.PerRow())
+    mm_config = pytest.importorskip("torchao.float8.inference").Float8MMConfig(use_fast_accum=True)
+    weight = float8.Float8Tensor.from_hp(
+        linear.weight.detach(), granularity=granularity.PerRow(), mm_config=mm_config, act_quant_kwargs=act
+    )
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    x = torch.randn(2, 5, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        calls = record(lambda: linear(x), linear.parameters())
+        assert [func for func, _, _ in calls] == [torch.ops.aten._scaled_mm.default]
+        assert calls[0][1][0].dtype == torch.float8_e4m3fn
+        replay(calls)

@@ -40,7 +40,9 @@ its 95% confidence interval, and the compiled output's hash; `--vs-compile both`
 compiled fused forward (its sites flux2_fused operators).
 --graph adds the fused step replayed from a CUDA graph (its output compared with eager's), --floor
 the step's GEMM and attention calls alone, replayed from a CUDA graph (`bench.floor`): the time an
-exact step can at best reach under the same clocks, each in turn with the rest.
+exact step can at best reach under the same clocks, each in turn with the rest (with --quantize
+float8-row or float8-tensor the FP8 floor: torchao's scaled GEMMs, without the activations'
+quantization).
 --plot draws the pipelined step time of each mode against size, a panel a config.
 
 With --compile both modes run through `torch.compile(model)` (one compiled graph per mode; on the
@@ -364,6 +366,11 @@ def captured(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         raise CommandError(f"--graph: the fused step could not be captured in a CUDA graph: {err}") from err
 
 
+# The quantizations whose floor the recorder captures: torchao's float8 linears reach it as `_scaled_mm`
+# (the FP8 floor: the scaled GEMMs and attention, without the activations' quantization).
+FLOAT8_FLOORS = ("float8-row", "float8-tensor")
+
+
 def floor_of(step: Callable[[], torch.Tensor], model: nn.Module) -> Callable[[], None]:
     """`bench.floor.floor_step`, a CommandError where the step's calls cannot be recorded or captured."""
     try:
@@ -512,8 +519,8 @@ def check(args: argparse.Namespace) -> None:
         if args.lora is not None or args.offload != "none" or args.quantize != "none":
             raise BadValue("--lora, --offload and --quantize apply to --host diffusers")
         return
-    if args.floor and args.quantize != "none":
-        raise BadValue("--floor takes plain linears: without --quantize")
+    if args.floor and args.quantize not in ("none", *FLOAT8_FLOORS):
+        raise BadValue(f"--floor takes plain or float8 linears: not --quantize {args.quantize}")
     if (args.graph or args.floor) and args.offload != "none":
         raise BadValue(
             "--graph and --floor capture a step on the GPU: without --offload, which moves weights in it"
