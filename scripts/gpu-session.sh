@@ -4,7 +4,8 @@
 #                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
 #                          [baseline-kernel-bench] [baseline-step-bench] [parallel-bench] [pytest:ARGS]
 #                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang] [scan] [float8-compile] [clocks]
-#                          [timeline] [flux3] [qwen] [zimage] [comfyui] [comfyui-tests] [comfyui-dev] [comfyui-flux1] [script:PATH ARGS]
+#                          [timeline] [flux3] [qwen] [zimage] [fp8] [comfyui] [comfyui-tests] [comfyui-dev] [comfyui-flux1]
+#                          [script:PATH ARGS]
 #                          [step:OPTIONS]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
@@ -162,6 +163,16 @@ for step in "$@"; do
       step_bench step-z-image --config z-image-turbo --host diffusers --vs-compile --floor ${ZIMAGE_ARGS:-} || rc=1
       python3 -m flux2_fused kernel --op sandwich_norm --json "$OUT/kernel-sandwich_norm.json" --no-compile 2>&1 |
         tee "$OUT/kernel-sandwich_norm.log" || rc=1 ;;
+    fp8)  # torchao float8: float8_quant's GPU tests and kernel benchmark, the torchao GPU tests, then
+      # klein-4B per row (beside torch.compile) and per tensor with the FP8 floor, and dev per row
+      python3 -m pytest -q test/ops/float8_quant test/test_float8_linear.py -m gpu 2>&1 | tee "$OUT/fp8-tests.log" | tail -3 || rc=1
+      python3 -m pytest -q test/integrations/diffusers/test_patch_gpu.py test/models/flux3/test_diffusers_gpu.py -m gpu \
+        -k "torchao" 2>&1 | tee -a "$OUT/fp8-tests.log" | tail -3 || rc=1
+      python3 -m flux2_fused kernel --op float8_quant --json "$OUT/kernel-float8_quant.json" 2>&1 |
+        tee "$OUT/kernel-float8_quant.log" || rc=1
+      step_bench step-fp8-row --configs klein-4b --host diffusers --quantize float8-row --floor --vs-compile || rc=1
+      step_bench step-fp8-tensor --configs klein-4b --host diffusers --quantize float8-tensor --floor || rc=1
+      step_bench step-fp8-dev --configs dev --host diffusers --quantize float8-row --floor ${FP8_DEV_ARGS:-} || rc=1 ;;
     comfyui-dev)
       comfyui_core
       step_bench step-comfyui-dev --config dev --host comfyui --floor ${COMFYUI_ARGS:-} || rc=1 ;;
