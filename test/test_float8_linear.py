@@ -84,6 +84,28 @@ def test_one_activation_read_by_three_linears_is_quantized_once(monkeypatch: pyt
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
+def test_a_scope_is_its_threads_and_keeps_nothing_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another thread's Linears on the same tensor quantize it themselves, and once the scope ends x
+    is not held (a later change to x in place is read anew)."""
+    import threading
+
+    calls: list[str] = []
+    original = float8_quant.apply
+    monkeypatch.setattr(float8_quant, "apply", lambda x, g: calls.append(g) or original(x, g))
+    module, x = _linear(), _x(2, 7, 64)
+    with torch.inference_mode():
+        with float8_linear.shared(x):
+            HOST.linear(module, x)
+            worker = threading.Thread(target=lambda: HOST.linear(module, x))
+            worker.start()
+            worker.join()
+            HOST.linear(module, x)
+        assert calls == ["row", "row"]  # this thread's once, the other thread's once
+        assert getattr(float8_linear._scope, "current", None) is None
+        x.mul_(2.0)
+        assert torch.equal(HOST.linear(module, x), module(x))
+
+
 @pytest.mark.parametrize(
     "recipe",
     [

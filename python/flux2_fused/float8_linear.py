@@ -18,6 +18,7 @@ under a torch.compile trace or the kill switch.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,8 +33,8 @@ from .ops import float8_quant, runtime
 # torchao's float8 weights re-wrapped without their activation recipe, by the id of the weight they
 # came from: (a weak reference to it, the fields the wrapper was made of, the wrapper).
 _bare: dict[int, tuple[weakref.ref, tuple, Any]] = {}
-# Inside `shared(x)`: x, and its quantizations by granularity.
-_shared: dict[str, Any] = {}
+# Inside `shared(x)`, per thread: (x, its quantizations by granularity).
+_scope = threading.local()
 
 
 def is_float8(weight: Any) -> bool:
@@ -75,23 +76,23 @@ def _recipe(weight: Any) -> tuple[str, Any] | None:
 
 @contextmanager
 def shared(x: torch.Tensor) -> Iterator[None]:
-    """Within it, the Linears that read x (which the caller does not change meanwhile: a block's q, k
-    and v projections, Z-Image's two feed-forward inputs) quantize it once."""
-    outer = dict(_shared)
-    _shared.clear()
-    _shared.update(x=x, values={})
+    """Within it (in this thread), the Linears that read x (which the caller does not change meanwhile:
+    a block's q, k and v projections, Z-Image's two feed-forward inputs) quantize it once; nothing of
+    x is kept after it."""
+    outer = getattr(_scope, "current", None)
+    _scope.current = (x, {})
     try:
         yield
     finally:
-        _shared.clear()
-        _shared.update(outer)
+        _scope.current = outer
 
 
 def _quantized(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x quantized by the op, once per `shared` scope of x."""
-    if _shared.get("x") is not x:
+    current = getattr(_scope, "current", None)
+    if current is None or current[0] is not x:
         return float8_quant.apply(x, granularity)
-    values = _shared["values"]
+    values = current[1]
     if granularity not in values:
         values[granularity] = float8_quant.apply(x, granularity)
     return values[granularity]
