@@ -1,6 +1,7 @@
 """GPU tests: the float8 quantization kernels equal torchao's eager chain byte for byte (run with
 `pytest -m gpu`): scales per row and per tensor, bf16 and fp16, the widths of FLUX's and Z-Image's
-Linear inputs, edge rows, every bf16 value, random bit patterns, streams and graph capture."""
+Linear inputs, edge rows, every bf16 value, every value under every scale it can have, random bit
+patterns, streams and graph capture."""
 
 from __future__ import annotations
 
@@ -47,6 +48,33 @@ def test_every_bf16_value(granularity):
     finite = x.flatten()[x.flatten().isfinite()]
     finite = finite[: finite.numel() // 8 * 8].view(-1, 8)
     assert same(float8_quant(finite, granularity), reference.quantize(finite, granularity))
+
+
+def rows_under_amax(amaxes: torch.Tensor, cols: int) -> torch.Tensor:
+    """int16 bit rows: for each magnitude a (bits, ascending), every value of magnitude <= a of both
+    signs, cols - 1 of them a row after a itself (which makes a each row's amax), the last row
+    padded with a."""
+    per_row = cols - 1
+    counts = 2 * (amaxes + 1)  # the values of magnitude 0..a, + and -
+    rows = (counts + per_row - 1) // per_row
+    row_amax = torch.repeat_interleave(amaxes, rows)
+    first = torch.repeat_interleave(torch.cumsum(rows, 0) - rows, rows)
+    within = torch.arange(row_amax.numel(), device=amaxes.device) - first
+    idx = within[:, None] * per_row + torch.arange(per_row, device=amaxes.device)
+    bits = torch.where(idx < 2 * (row_amax[:, None] + 1), (idx >> 1) | ((idx & 1) << 15), row_amax[:, None])
+    return torch.cat([row_amax[:, None], bits], dim=1).to(torch.int32).to(torch.int16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_value_under_every_scale_it_can_have(dtype):
+    """Each finite or infinite amax a of the dtype, and under its scale every value x with |x| <= a:
+    the kernel's short path (a reciprocal corrected to the exact quotient, the hardware's conversion)
+    and its long path together equal torchao's chain on the whole domain they serve (2^30 pairs)."""
+    top = int(torch.tensor(float("inf"), dtype=dtype).view(torch.int16))  # +Inf's bits
+    magnitudes = torch.arange(top + 1, device="cuda", dtype=torch.int64)
+    for chunk in magnitudes.flip(0).split(1024):
+        x = rows_under_amax(chunk.flip(0), 8192).view(dtype)
+        assert same(float8_quant(x, "row"), reference.quantize(x, "row")), (int(chunk[-1]), int(chunk[0]))
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)

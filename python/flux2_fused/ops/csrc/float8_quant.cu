@@ -40,10 +40,10 @@ void run(TensorView q, TensorView scale, TensorView x, Optional<TensorView> amax
   p.rows = rows;
   p.cols = static_cast<int32_t>(cols);
   if (amax.has_value()) {
-    const TensorView word = *amax;
-    TVM_FFI_ICHECK(word.numel() == 1 && word.dtype().bits == 32) << "amax must be one 32-bit word";
-    check_device(word, dev);
-    p.amax = data<unsigned int>(word);
+    const TensorView words = *amax;
+    TVM_FFI_ICHECK(words.numel() >= 1 && words.dtype().bits == 32 && words.IsContiguous()) << "amax must be 32-bit words";
+    check_device(words, dev);
+    p.amax = data<unsigned int>(words);
   }
   if (rows == 0) return;
   TVM_FFI_ICHECK(rows < (int64_t{1} << 31)) << "too many rows for one launch";
@@ -53,23 +53,27 @@ void run(TensorView q, TensorView scale, TensorView x, Optional<TensorView> amax
     int sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device_id);
     const int64_t vectors = rows * (cols / 8);
-    const int64_t blocks = std::min<int64_t>((vectors + kThreads - 1) / kThreads, int64_t{4} * sms);
+    const int64_t blocks = std::min<int64_t>({(vectors + kThreads - 1) / kThreads, int64_t{4} * sms, (*amax).numel()});
+    p.amax_words = static_cast<int32_t>(blocks);
     float8_quant_kernel_amax<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
   }
-  const int warps = warps_per_row(cols);
+  const bool few = cols <= 8 * kThreads * kFewVecs;
+  const int warps = warps_per_row(cols, few ? kFewVecs : kMaxVecs);
   const unsigned grid = static_cast<unsigned>((rows * warps + kWarps - 1) / kWarps);
-  switch (warps) {
-    case 1: float8_quant_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p); break;
-    case 2: float8_quant_kernel<T, 2><<<grid, kThreads, 0, stream>>>(p); break;
-    case 4: float8_quant_kernel<T, 4><<<grid, kThreads, 0, stream>>>(p); break;
-    default: float8_quant_kernel<T, 8><<<grid, kThreads, 0, stream>>>(p); break;
+  switch (few ? warps : 0) {
+    case 1: float8_quant_kernel<T, 1, kFewVecs><<<grid, kThreads, 0, stream>>>(p); break;
+    case 2: float8_quant_kernel<T, 2, kFewVecs><<<grid, kThreads, 0, stream>>>(p); break;
+    case 4: float8_quant_kernel<T, 4, kFewVecs><<<grid, kThreads, 0, stream>>>(p); break;
+    case 8: float8_quant_kernel<T, 8, kFewVecs><<<grid, kThreads, 0, stream>>>(p); break;
+    default: float8_quant_kernel<T, 8, kMaxVecs><<<grid, kThreads, 0, stream>>>(p); break;
   }
   const cudaError_t err = cudaGetLastError();
   TVM_FFI_ICHECK(err == cudaSuccess) << "float8_quant launch failed: " << cudaGetErrorString(err);
 }
 
 // Outputs first: q (e4m3fn bytes of x's shape) and the scales (one a row, or one with amax), then x
-// and, for a whole-tensor scale, the zeroed word the tensor's amax is reduced into.
+// and, for a whole-tensor scale, the words (any contents, at most one a block used) the tensor's amax
+// is reduced into.
 void float8_quant(TensorView q, TensorView scale, TensorView x, Optional<TensorView> amax) {
   const DLDataType dt = x.dtype();
   if (dt.code == kDLBfloat && dt.bits == 16) {

@@ -8,12 +8,15 @@
 // (docs/numerics.md, 15). kWarpsPerRow warps hold a row in registers (one warp up to K = 3072, more for
 // wider rows, at most 12 vectors of 8 elements a thread), so a block of 8 warps works on 8, 4, 2 or 1
 // rows at once with all of their loads in flight: the amax of the row, then its elements quantized.
-// For a whole-tensor scale, a first launch reduces |x| into one word with an atomic max (the order of
-// a max does not matter), and the row launch reads the scale from it.
+// For a whole-tensor scale, a first launch reduces |x| into one word a block (a grid-stride max), and
+// each block of the row launch reduces those words again (the order of a max does not matter): no
+// atomics, and no word to zero before.
 //
 // The amax is taken on the magnitude bits of T (sign cleared): they order as |x| does, with every NaN
 // above +Inf, so an integer max is NaN-propagating as aten's amax is.
 #pragma once
+
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -25,6 +28,7 @@ namespace float8_quant {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxVecs = 12;  // 8-element vectors a thread holds: K up to 256 x 12 x 8 = 24576
+constexpr int kFewVecs = 6;   // ... for rows up to 256 x 6 x 8 = 12288: fewer registers, more blocks an SM
 constexpr float kE4m3Max = 448.0f;
 
 template <typename T>
@@ -35,26 +39,11 @@ struct Params {
   const T* x;                // [rows, K] contiguous
   uint8_t* q;                // [rows, K] e4m3fn bytes
   float* scale;              // [rows] (a row's scale), or [1] (the tensor's)
-  unsigned int* amax;        // the tensor's |x| bits (null: a scale a row)
+  unsigned int* amax;        // the tensor's |x| bits, one word a block of the first launch (null: a scale a row)
+  int32_t amax_words;        // how many
   int64_t rows;
   int32_t cols;              // K, a multiple of 8
 };
-
-// A T's magnitude bits: its bits with the sign cleared, an integer ordered as |x| with NaN on top.
-template <typename T>
-__device__ __forceinline__ unsigned int magnitude(typename Elem<T>::Pair p, int half) {
-  const unsigned int bits = *reinterpret_cast<const unsigned int*>(&p);
-  return (half ? bits >> 16 : bits) & 0x7fffu;
-}
-
-// The largest magnitude of a vector's eight elements.
-template <typename T>
-__device__ __forceinline__ unsigned int vector_max(const Oct<T>& v) {
-  unsigned int m = 0;
-#pragma unroll
-  for (int h = 0; h < 4; ++h) m = max(m, max(magnitude<T>(v.p[h], 0), magnitude<T>(v.p[h], 1)));
-  return m;
-}
 
 // The block's max of each thread's m (every thread gets it).
 __device__ __forceinline__ unsigned int block_max(unsigned int m) {
@@ -103,30 +92,86 @@ __device__ __forceinline__ uint8_t to_e4m3fn(float f) {
   return result | static_cast<uint8_t>(sign >> 24);
 }
 
-// One element: RN(x / scale), clamped to +-448 (NaN stays NaN), to e4m3fn.
+// One element: RN(x / scale), clamped to +-448 (NaN stays NaN), to e4m3fn. Any scale, any x.
 __device__ __forceinline__ uint8_t quantize(float x, float scale) {
   float v = __fdiv_rn(x, scale);
   if (!isnan(v)) v = fminf(fmaxf(v, -kE4m3Max), kE4m3Max);
   return to_e4m3fn(v);
 }
 
-// The tensor's amax into p.amax (zeroed before): a grid-stride max over 8-element vectors.
+// A row's divisor. Where its scale is a normal float in [2^-100, 2^100] (every row whose amax is
+// finite and not tiny), `quantize_pair` may take the short path: every x of the row is finite with
+// |x| <= amax, so each quotient is finite and within +-450 (docs/numerics.md, 15).
+struct Divisor {
+  float scale;
+  float reciprocal;  // RN(1 / scale)
+  bool fast;
+};
+
+__device__ __forceinline__ Divisor divisor_of(float scale) {
+  return {scale, __frcp_rn(scale), scale >= 0x1p-100f && scale <= 0x1p100f};
+}
+
+// Two elements of a row on the short path: x / scale correctly rounded by Markstein's correction of
+// x * RN(1 / scale) (exact remainder by FMA, one corrected product) with x's sign put back (a -0
+// quotient comes out of the correction as +0; the scale is positive, so the quotient's sign is x's),
+// clamped, then the hardware's round-to-nearest-even conversion, which equals c10's for finite values
+// within +-448. Byte 0 is a.
+__device__ __forceinline__ unsigned int quantize_pair(float a, float b, const Divisor& d) {
+  float v[2] = {a, b};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float q = __fmul_rn(v[i], d.reciprocal);
+    const float rem = __fmaf_rn(-q, d.scale, v[i]);
+    v[i] = fminf(fmaxf(copysignf(__fmaf_rn(rem, d.reciprocal, q), v[i]), -kE4m3Max), kE4m3Max);
+  }
+  return __nv_cvt_float2_to_fp8x2(make_float2(v[0], v[1]), __NV_SATFINITE, __NV_E4M3);
+}
+
+// 2 * kPairs elements of a row (kPairs even), as as many e4m3fn bytes in order, four to a word.
+template <typename T, int kPairs>
+__device__ __forceinline__ void quantize_packed(const Packed<T, kPairs>& v, const Divisor& d,
+                                                unsigned int (&out)[kPairs / 2]) {
+#pragma unroll
+  for (int w = 0; w < kPairs / 2; ++w) {
+    if (d.fast) {
+      out[w] = quantize_pair(v.get(4 * w), v.get(4 * w + 1), d) |
+               (quantize_pair(v.get(4 * w + 2), v.get(4 * w + 3), d) << 16);
+    } else {
+      out[w] = 0u;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) out[w] |= static_cast<unsigned int>(quantize(v.get(4 * w + e), d.scale)) << (8 * e);
+    }
+  }
+}
+
+// The largest magnitude of a packed group's elements, as T's magnitude bits (`vector_max`).
+template <typename T, int kPairs>
+__device__ __forceinline__ unsigned int packed_max(const Packed<T, kPairs>& v) {
+  const unsigned int* bits = reinterpret_cast<const unsigned int*>(&v);
+  unsigned int m = 0;
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) m = __vmaxu2(m, bits[i] & 0x7fff7fffu);
+  return max(m & 0xffffu, m >> 16);
+}
+
+// The tensor's amax, a word a block into p.amax: a grid-stride max over 8-element vectors.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) float8_quant_kernel_amax(const Params<T> p) {
   const int64_t vectors = p.rows * (p.cols / 8);
   unsigned int m = 0;
   for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < vectors; v += int64_t(gridDim.x) * kThreads) {
     const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p.x) + v);
-    m = max(m, vector_max<T>(*reinterpret_cast<const Oct<T>*>(&raw)));
+    m = max(m, packed_max<T, 4>(*reinterpret_cast<const Oct<T>*>(&raw)));
   }
   m = block_max(m);
-  if (threadIdx.x == 0) atomicMax(p.amax, m);
+  if (threadIdx.x == 0) p.amax[blockIdx.x] = m;
 }
 
-// kWarpsPerRow warps a row, 8 / kWarpsPerRow rows a block: each row's amax (or the tensor's), its
-// scale, its elements quantized.
-template <typename T, int kWarpsPerRow>
-__global__ void __launch_bounds__(kThreads) float8_quant_kernel(const Params<T> p) {
+// kWarpsPerRow warps a row, 8 / kWarpsPerRow rows a block, up to kVecs vectors a thread: each row's
+// amax (or the tensor's), its scale, its elements quantized.
+template <typename T, int kWarpsPerRow, int kVecs>
+__global__ void __launch_bounds__(kThreads, kVecs == kFewVecs ? 5 : 1) float8_quant_kernel(const Params<T> p) {
   constexpr int kRowThreads = 32 * kWarpsPerRow;
   __shared__ unsigned int warp_max[kWarps];
   const int warp = threadIdx.x >> 5;
@@ -134,17 +179,22 @@ __global__ void __launch_bounds__(kThreads) float8_quant_kernel(const Params<T> 
   const int t = threadIdx.x - group * kRowThreads;  // its thread within the row
   const int64_t row = int64_t(blockIdx.x) * (kWarps / kWarpsPerRow) + group;
   const bool live = row < p.rows;  // a block's last rows may be past the end: no loads, no stores
+  unsigned int tensor_amax = 0;
+  if (p.amax != nullptr) {  // the tensor's words reduced again, by the whole block before any load
+    for (int i = threadIdx.x; i < p.amax_words; i += kThreads) tensor_amax = max(tensor_amax, p.amax[i]);
+    tensor_amax = block_max(tensor_amax);
+  }
   const int vectors = p.cols / 8;
   const uint4* x = reinterpret_cast<const uint4*>(p.x + row * p.cols);
-  Oct<T> v[kMaxVecs];
+  Oct<T> v[kVecs];
   unsigned int m = 0;
 #pragma unroll
-  for (int j = 0; j < kMaxVecs; ++j) {
+  for (int j = 0; j < kVecs; ++j) {
     const int i = t + j * kRowThreads;
     if (live && i < vectors) {
       const uint4 raw = __ldcs(x + i);
       v[j] = *reinterpret_cast<const Oct<T>*>(&raw);
-      m = max(m, vector_max<T>(v[j]));
+      m = max(m, packed_max<T, 4>(v[j]));
     }
   }
   m = __reduce_max_sync(0xffffffffu, m);
@@ -155,29 +205,26 @@ __global__ void __launch_bounds__(kThreads) float8_quant_kernel(const Params<T> 
     for (int w = 0; w < kWarpsPerRow; ++w) m = max(m, warp_max[group * kWarpsPerRow + w]);
   }
   if (!live) return;
-  const unsigned int amax = p.amax != nullptr ? *p.amax : m;
+  const unsigned int amax = p.amax != nullptr ? tensor_amax : m;
   const float scale = scale_of<T>(amax);
   if (t == 0 && (p.amax == nullptr || row == 0)) p.scale[p.amax == nullptr ? row : 0] = scale;
+  const Divisor d = divisor_of(scale);
   uint2* q = reinterpret_cast<uint2*>(p.q + row * p.cols);
 #pragma unroll
-  for (int j = 0; j < kMaxVecs; ++j) {
+  for (int j = 0; j < kVecs; ++j) {
     const int i = t + j * kRowThreads;
     if (i < vectors) {
-      uint2 packed = make_uint2(0u, 0u);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        packed.x |= static_cast<unsigned int>(quantize(v[j].get(e), scale)) << (8 * e);
-        packed.y |= static_cast<unsigned int>(quantize(v[j].get(e + 4), scale)) << (8 * e);
-      }
-      __stcs(q + i, packed);
+      unsigned int bytes[2];
+      quantize_packed<T, 4>(v[j], d, bytes);
+      __stcs(q + i, make_uint2(bytes[0], bytes[1]));
     }
   }
 }
 
-// The warps a row takes: the fewest (1, 2, 4, 8) whose threads hold its K / 8 vectors in kMaxVecs each.
-inline int warps_per_row(int64_t cols) {
+// The warps a row takes: the fewest (1, 2, 4, 8) whose threads hold its K / 8 vectors in kVecs each.
+inline int warps_per_row(int64_t cols, int vecs) {
   int warps = 1;
-  while (warps < kWarps && cols / 8 > int64_t{32} * warps * kMaxVecs) warps *= 2;
+  while (warps < kWarps && cols / 8 > int64_t{32} * warps * vecs) warps *= 2;
   return warps;
 }
 
