@@ -55,15 +55,59 @@ def _x(*shape: int) -> torch.Tensor:
 HOST = ModuleHost(frozenset())
 
 
+@pytest.fixture(params=["direct", "wrapped"])
+def gemm(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Each GEMM path in turn: torchao 0.18's torch branch called directly, or (with another torchao
+    version) the quantized input wrapped and sent through `F.linear`. Counts the `F.linear` calls
+    that reach torchao's dispatch, so a test can see which path ran."""
+    import torchao
+
+    if request.param == "wrapped":
+        monkeypatch.setattr(torchao, "__version__", "0.99.0")
+    calls: list[int] = []
+    original = float8_linear.F.linear
+    monkeypatch.setattr(float8_linear.F, "linear", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
 @pytest.mark.parametrize("shape", [(2, 7, 64), (9, 64)])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("kind", ["row", "tensor"])
-def test_the_output_is_torchaos_own(kind: str, bias: bool, shape: tuple[int, ...]) -> None:
+def test_the_output_is_torchaos_own(kind: str, bias: bool, shape: tuple[int, ...], gemm: list[int]) -> None:
     module, x = _linear(kind, bias), _x(*shape)
     with torch.inference_mode():
         expected = module(x)
+        calls = len(gemm)
         assert float8_linear.linear(module, x) is not None
+        assert len(gemm) - calls == (0 if float8_linear._direct_gemm(module.weight, kind) else 1)
         assert torch.equal(HOST.linear(module, x), expected)
+
+
+def test_torchao_018_takes_the_direct_gemm_for_row_and_tensor_weights() -> None:
+    import torchao
+
+    assert torchao.__version__.startswith("0.18.")
+    assert float8_linear._direct_gemm(_linear("row").weight, "row")
+    assert float8_linear._direct_gemm(_linear("tensor").weight, "tensor")
+
+
+def test_only_the_branch_mirrored_is_called_directly() -> None:
+    """Weights scaled otherwise than the activation's granularity (a 128x128 block scale, a per-row
+    weight for a per-tensor activation) and torchao versions other than 0.18 go through torchao's
+    dispatch."""
+    import torchao
+
+    weight = _linear("row").weight
+    assert not float8_linear._direct_gemm(weight, "tensor")
+    weight.block_size = [128, 128]
+    assert not float8_linear._direct_gemm(weight, "row")
+    weight = _linear("tensor").weight
+    assert not float8_linear._direct_gemm(weight, "row")
+    version, torchao.__version__ = torchao.__version__, "0.19.0"
+    try:
+        assert not float8_linear._direct_gemm(weight, "tensor")
+    finally:
+        torchao.__version__ = version
 
 
 def test_one_activation_read_by_three_linears_is_quantized_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,7 +198,7 @@ def test_a_plain_weight_runs_the_module() -> None:
     assert float8_linear.linear(module, _x(2, 7, 64)) is None
 
 
-def test_a_weight_changed_after_a_call_is_read_anew() -> None:
+def test_a_weight_changed_after_a_call_is_read_anew(gemm: list[int]) -> None:
     """The bare weight kept for a Linear is re-made when the weight's config or tensors change (a
     user switching fast accumulation off, or loading other float8 data): torchao's output each time."""
     module, x = _linear(), _x(2, 7, 64)
@@ -165,3 +209,82 @@ def test_a_weight_changed_after_a_call_is_read_anew() -> None:
         other = _linear(seed=5).weight
         module.weight.qdata, module.weight.scale = other.qdata, other.scale
         assert torch.equal(HOST.linear(module, x), module(x))
+
+
+def _quantized(x: torch.Tensor, kind: str = "row", seen: list[int] | None = None) -> float8_linear.Quantized:
+    """x as a kernel's quantizing epilogue hands it over: torchao's quantization of x, and x again
+    from `dense()` (counted in `seen`)."""
+    q, scale = float8_quant.reference.quantize(x, kind)
+    calls = [] if seen is None else seen
+    return float8_linear.Quantized(q, scale, kind, x.dtype, lambda: calls.append(1) or x)
+
+
+@pytest.mark.parametrize("kind", ["row", "tensor"])
+def test_a_quantized_input_is_torchaos_call_on_its_values(kind: str, gemm: list[int]) -> None:
+    """A `Quantized` input of the Linear's granularity is used as it came (nothing quantized again,
+    its values never computed); the output is torchao's call on the activation."""
+    module, x, seen = _linear(kind), _x(2, 7, 64), []
+    with torch.inference_mode():
+        expected = module(x)
+        original = float8_quant.apply
+        float8_quant.apply = lambda *a: pytest.fail("quantized again")
+        try:
+            got = HOST.linear(module, _quantized(x, kind, seen))
+        finally:
+            float8_quant.apply = original
+    assert torch.equal(got, expected) and seen == []
+
+
+def test_a_quantized_input_another_call_needs_is_computed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the call cannot use the quantization (another granularity, a hooked Linear, the kill
+    switch) the activation is computed and the call runs on it: torchao's output each time."""
+    x, seen = _x(2, 7, 64), []
+    with torch.inference_mode():
+        tensor = _linear("tensor")
+        assert torch.equal(HOST.linear(tensor, _quantized(x, "row", seen)), tensor(x))
+        hooked = _linear("row")
+        hooked.register_forward_hook(lambda *_: None)
+        assert torch.equal(HOST.linear(hooked, _quantized(x, "row", seen)), hooked(x))
+        monkeypatch.setenv("FLUX2_FUSED_DISABLE", "1")
+        plain = _linear("row")
+        assert torch.equal(HOST.linear(plain, _quantized(x, "row", seen)), plain(x))
+    assert seen == [1, 1, 1]
+
+
+def test_float8_input_is_the_granularity_the_host_quantizes_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert HOST.float8_input(_linear("row")) == "row"
+    assert HOST.float8_input(_linear("tensor")) == "tensor"
+    assert HOST.float8_input(nn.Linear(64, 48)) is None
+    hooked = _linear()
+    hooked.register_forward_pre_hook(lambda *_: None)
+    assert HOST.float8_input(hooked) is None
+    assert HOST.float8_input(_linear(hp_value_ub=1200.0)) is None
+    monkeypatch.setenv("FLUX2_FUSED_DISABLE", "1")
+    assert HOST.float8_input(_linear("row")) is None
+
+
+def test_a_trace_reaches_neither_the_kernel_nor_torchaos_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.compile(fullgraph=True) the host's float8 Linear is the module's own call (traced
+    as torchao's), and asking how it quantizes says no, before the recipe (whose probe of installed
+    packages a trace cannot follow) is read."""
+    module, x = _linear(), _x(2, 7, 64)
+    recipe = float8_linear._recipe
+
+    def untraced_recipe(weight: Any) -> Any:
+        if torch.compiler.is_compiling():
+            raise AssertionError("the recipe was read under a trace")
+        return recipe(weight)
+
+    monkeypatch.setattr(float8_linear, "_recipe", untraced_recipe)
+
+    def site(t: torch.Tensor) -> torch.Tensor:
+        assert HOST.float8_input(module) is None
+        return HOST.linear(module, t)
+
+    torch.compiler.reset()
+    try:
+        with torch.inference_mode():
+            got = torch.compile(site, fullgraph=True, backend="eager")(x)
+            assert torch.equal(got, module(x))
+    finally:
+        torch.compiler.reset()

@@ -5,9 +5,20 @@ leaves each Linear an `nn.Linear` whose weight is a torchao `Float8Tensor` carry
 the input (`act_quant_kwargs`). On every call torchao quantizes the input with six eager kernels,
 then runs its scaled GEMM. Here the input is quantized by the `float8_quant` op (one launch, the same
 bytes and scales: docs/numerics.md, 15), once for every Linear that reads the same activation inside
-`shared` (a block's q, k and v projections), and the GEMM is torchao's own `F.linear` on the
-quantized input and the weight without its activation recipe: the same function, arguments and
-kernel choice as torchao's call, so the output is torchao's bit for bit.
+`shared` (a block's q, k and v projections), and the GEMM is torchao's own: the same `_scaled_mm`
+call with the same arguments as torchao's, so the output is torchao's bit for bit.
+
+With torchao 0.18 (whose code this module was read against) the GEMM is the torch branch of
+torchao's `_float8_addmm_impl` called directly: its own `preprocess_data`, `preprocess_scale` and
+`addmm_float8_unwrapped_inference` on the quantized data and the weight's. That skips building two
+tensor subclasses and dispatching through them on every call, about 100 us of host time a Linear,
+which is what bounds a pipelined float8 step. With any other torchao version the quantized input is
+wrapped as a `Float8Tensor` and passed, with the weight re-wrapped without its activation recipe, to
+`F.linear`: torchao's dispatch then picks the kernel, as in its own call.
+
+An activation can also arrive already quantized (`Quantized`): a row-wise op's kernel wrote torchao's
+float8 of it (its quantizing epilogue) in place of the activation, for a Linear that `granularity`
+said would quantize its input per row.
 
 It applies only where torchao itself would take its torch quantization path: e4m3fn, PerRow over
 the last dim or PerTensor, no value bounds, and a kernel preference that does not pick mslk's Triton
@@ -18,10 +29,12 @@ under a torch.compile trace or the kill switch.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +48,28 @@ from .ops import float8_quant, runtime
 _bare: dict[int, tuple[weakref.ref, tuple, Any]] = {}
 # Inside `shared(x)`, per thread: (x, its quantizations by granularity).
 _scope = threading.local()
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """An activation as torchao's float8 of it, (q, scale) with `granularity` scales, written by a
+    fused kernel in place of its values (which no kernel wrote); `dense()` computes the activation
+    itself, for a call that needs its values after all. q has the activation's shape."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    granularity: str
+    dtype: torch.dtype
+    dense: Callable[[], torch.Tensor]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def dense(x: torch.Tensor | Quantized) -> torch.Tensor:
+    """x's values: x itself, or a quantized activation computed anew."""
+    return x.dense() if isinstance(x, Quantized) else x
 
 
 def is_float8(weight: Any) -> bool:
@@ -69,9 +104,16 @@ def _recipe(weight: Any) -> tuple[str, Any] | None:
     preference = kwargs.kernel_preference
     if preference == KernelPreference.MSLK:
         return None
-    if preference == KernelPreference.AUTO and kind == "row" and _is_mslk_available():
+    if preference == KernelPreference.AUTO and kind == "row" and _installed(_is_mslk_available):
         return None  # torchao quantizes with mslk's Triton kernel there: other arithmetic
     return kind, kwargs
+
+
+@functools.cache
+def _installed(probe: Callable[[], bool]) -> bool:
+    """torchao's probe for an optional package, asked once per process (it searches the import path
+    on every call, which would cost more host time than the rest of a Linear's call)."""
+    return probe()
 
 
 @contextmanager
@@ -87,8 +129,13 @@ def shared(x: torch.Tensor) -> Iterator[None]:
         _scope.current = outer
 
 
-def _quantized(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x quantized by the op, once per `shared` scope of x."""
+def _quantized(x: torch.Tensor | Quantized, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x quantized by the op, once per `shared` scope of x (a `Quantized` x as it came, in its
+    granularity)."""
+    if isinstance(x, Quantized):
+        if x.granularity == granularity:
+            return x.q, x.scale
+        return float8_quant.apply(x.dense(), granularity)
     current = getattr(_scope, "current", None)
     if current is None or current[0] is not x:
         return float8_quant.apply(x, granularity)
@@ -130,26 +177,87 @@ def _same_fields(old: tuple, new: tuple) -> bool:
     return old[0] is new[0] and old[1] is new[1] and old[2:] == new[2:]
 
 
-def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """`module(x)` for a plain `nn.Linear` (the caller has checked nothing wraps it) holding a torchao
-    float8 weight whose recipe `_recipe` accepts, with x quantized by the op; None where the module's
-    own call must run."""
+def _direct_gemm(weight: Any, kind: str) -> bool:
+    """Whether torchao's `_float8_addmm_impl` would take its torch branch for this weight with the
+    activation scaled per `kind`, in the torchao version `_torch_gemm` mirrors (0.18): the weight
+    scaled per row for "row" or per tensor for "tensor" (not 128x128 blocks) and a torch kernel
+    choice (`_recipe` has declined mslk's)."""
+    import torchao
+
+    if not torchao.__version__.startswith("0.18.") or weight.mm_config is None:
+        return False
+    # torchao's _is_rowwise_scaled / _is_tensorwise_scaled, read off qdata (the weight's shape)
+    # rather than through the subclass, whose every attribute call dispatches
+    shape, blocks = weight.qdata.shape, tuple(weight.block_size)
+    if len(shape) != 2 or len(blocks) != 2:
+        return False
+    if kind == "row":
+        return blocks == (1, shape[1])
+    return all(b in (-1, n) for b, n in zip(blocks, shape, strict=True))
+
+
+def _torch_gemm(
+    q: torch.Tensor, scale: torch.Tensor, weight: Any, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """torchao 0.18's `_float8_addmm_impl(input, weight.t(), bias)` on its torch branch, for an input
+    of `dtype` already quantized to (q, scale) (q has the input's shape): its own functions, called
+    with the arguments it passes them (`weight.t()` holds `qdata.t()` and `scale.t()`)."""
+    from torchao.float8.inference import (
+        addmm_float8_unwrapped_inference,
+        preprocess_data,
+        preprocess_scale,
+    )
+
+    config = weight.mm_config
+    data, w_data = preprocess_data(q.reshape(-1, q.shape[-1]), weight.qdata.t(), config)
+    out = addmm_float8_unwrapped_inference(
+        data,
+        preprocess_scale(scale, q.shape),
+        w_data,
+        weight.scale.t(),
+        output_dtype=dtype,
+        bias=bias,
+        use_fast_accum=config.use_fast_accum,
+    )
+    return out.reshape(*q.shape[:-1], weight.shape[0])
+
+
+def granularity(module: nn.Module) -> str | None:
+    """How `linear` quantizes a plain `nn.Linear`'s input ("row" or "tensor", as torchao would), where
+    it computes the call (a torchao float8 weight whose recipe `_recipe` accepts, no trace, no kill
+    switch); None where the module's own call must run."""
+    if torch.compiler.is_compiling() or runtime.kill_switch():
+        return None  # first: a trace must not reach `_recipe`'s probes
     recipe = _recipe(module.weight)
-    if recipe is None or torch.compiler.is_compiling() or runtime.kill_switch():
+    return None if recipe is None else recipe[0]
+
+
+def linear(module: nn.Module, x: torch.Tensor | Quantized) -> torch.Tensor | None:
+    """`module(x)` for a plain `nn.Linear` (the caller has checked nothing wraps it) holding a torchao
+    float8 weight whose recipe `_recipe` accepts, with x quantized by the op (or as it came, a
+    `Quantized`); None where the module's own call must run (on `dense(x)`)."""
+    if torch.compiler.is_compiling() or runtime.kill_switch():
+        return None  # first: a trace must not reach `_recipe`'s probes
+    recipe = _recipe(module.weight)
+    if recipe is None:
         return None
-    if not isinstance(x, torch.Tensor) or x.dtype != module.weight.dtype or x.requires_grad:
+    plain = isinstance(x, torch.Tensor) and not x.requires_grad
+    if not (plain or isinstance(x, Quantized)) or x.dtype != module.weight.dtype:
         return None
     granularity, kwargs = recipe
+    weight = module.weight
+    q, scale = _quantized(x, granularity)
+    if _direct_gemm(weight, granularity):
+        return _torch_gemm(q, scale, weight, module.bias, x.dtype)
     from torchao.quantization.utils import get_block_size
 
-    q, scale = _quantized(x, granularity)
     quantized = type(module.weight)(
         q,
         scale,
-        list(get_block_size(x.shape, kwargs.granularity)),
+        list(get_block_size(q.shape, kwargs.granularity)),
         kwargs.mm_config,
         None,
         kwargs.kernel_preference,
         x.dtype,
     )
-    return F.linear(quantized, _bare_weight(module.weight), module.bias)
+    return F.linear(quantized, _bare_weight(weight), module.bias)

@@ -57,9 +57,16 @@ class Host(Protocol):
         tensors: for the modules the block code may not compute itself."""
         ...
 
-    def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, module: nn.Module, x: torch.Tensor | float8_linear.Quantized) -> torch.Tensor:
         """A projection's output, called as the host calls it, so LoRA layers, quantized linears and
-        offload hooks run with the weights they hold at call time."""
+        offload hooks run with the weights they hold at call time. x may come quantized where
+        `float8_input` allowed it."""
+        ...
+
+    def float8_input(self, module: nn.Module) -> str | None:
+        """The granularity ("row", "tensor") in which `linear(module, x)` quantizes x for torchao's
+        float8 GEMM itself, where it also takes x already quantized (`float8_linear.Quantized`, made
+        by a kernel's quantizing epilogue); None where it takes plain activations only."""
         ...
 
     def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
@@ -319,15 +326,23 @@ class ModuleHost:
     def call(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return module(*args, **kwargs)
 
-    def linear(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, module: nn.Module, x: torch.Tensor | float8_linear.Quantized) -> torch.Tensor:
         """The module's call, or for a plain `nn.Linear` holding a torchao float8 weight the same
-        output with the activation quantized by the `float8_quant` op (`float8_linear`)."""
-        float8 = float8_linear.is_float8(getattr(module, "weight", None)) and type(module) is nn.Linear
-        if float8 and unwrapped(module, self.own_forwards) and methods_unpatched(nn.Linear):
+        output with the activation quantized by the `float8_quant` op, or as it came quantized
+        (`float8_linear`)."""
+        if self._float8_plain(module):
             out = float8_linear.linear(module, x)
             if out is not None:
                 return out
-        return module(x)
+        return module(float8_linear.dense(x))
+
+    def float8_input(self, module: nn.Module) -> str | None:
+        return float8_linear.granularity(module) if self._float8_plain(module) else None
+
+    def _float8_plain(self, module: nn.Module) -> bool:
+        """A plain `nn.Linear` (nothing wraps or hooks it) holding a torchao float8 weight."""
+        float8 = float8_linear.is_float8(getattr(module, "weight", None)) and type(module) is nn.Linear
+        return float8 and unwrapped(module, self.own_forwards) and methods_unpatched(nn.Linear)
 
     def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
         plain = type(module) is nn.RMSNorm and self.plain(module)

@@ -59,6 +59,9 @@ class SglangHost(ModuleHost):
         out = module(rows)
         return out[0] if isinstance(out, tuple) else out
 
+    def float8_input(self, module: nn.Module) -> str | None:
+        return None  # sglang's Linears quantize nothing the block code could hand them
+
     def rms_norm(self, module: nn.Module) -> RMSNormParameters | None:
         if (
             type(module) is not self.rms_norm_class
