@@ -155,6 +155,54 @@ def row_cases(channels: int, width: int) -> dict[str, tuple[tuple[Any, ...], str
     }
 
 
+def quantized_cases(operands: int) -> dict[str, tuple[tuple[Any, ...], str]]:
+    """The decline cases of the quantizing form's own checks (`RowGuards.quantized_reason`), for an
+    op of `operands` operands: name -> ((x, prefix, b), message)."""
+    b, s, bf16 = 2, 5, torch.bfloat16
+
+    def rows(c: int, **kw: Any) -> torch.Tensor:
+        return as_cuda(torch.zeros(b, s, c, dtype=kw.get("dtype", bf16)))
+
+    x = rows(operands * 8)
+    return {
+        "joint row not a multiple of 8": (
+            (rows(operands * 4), None, None),
+            "a joint row of 4 is not a multiple of 8 up to 24576",
+        ),
+        "joint row too wide": (
+            (x, rows(24576), None),
+            "a joint row of 24584 is not a multiple of 8 up to 24576",
+        ),
+        "prefix rows": (
+            (x, as_cuda(torch.zeros(b, s + 1, 8, dtype=bf16)), None),
+            "prefix shape (2, 6, 8) is not x's rows, a multiple of 4 wide",
+        ),
+        "prefix width": (
+            (x, as_cuda(torch.zeros(b, s, 8, dtype=bf16)[..., :6]), None),
+            "prefix shape (2, 5, 6) is not x's rows, a multiple of 4 wide",
+        ),
+        "prefix dtype": (
+            (x, rows(8, dtype=torch.float16), None),
+            "prefix is torch.float16 on cuda:0, x is torch.bfloat16 on cuda:0",
+        ),
+        "prefix inner stride": (
+            (x, as_cuda(torch.zeros(b, s, 16, dtype=bf16)[..., ::2]), None),
+            "prefix has inner stride 2 (needs 1)",
+        ),
+        "prefix misaligned": (
+            (x, as_cuda(misaligned(b, s, 8)), None),
+            "prefix data pointer is not 8-byte aligned",
+        ),
+    }
+
+
+def assert_quantized_declines(guards: Any, op: ModuleType, args: tuple, expected: str) -> None:
+    """The quantizing form declines (x, prefix, b) with `expected` and its entry point returns None."""
+    x, prefix, b = args
+    assert guards.quantized_reason(x, prefix, b) == expected
+    assert (op.quantized(x, prefix=prefix) if b is None else op.quantized(x, b=b)) is None
+
+
 def assert_every_reason_has_a_case(produced: list[str], *modules: ModuleType) -> None:
     """Every message the `*reason` functions of `modules` can return matches one of `produced`."""
     templates = reason_templates(*modules)

@@ -10,10 +10,16 @@ two-operand op also takes its operands as two tensors of out's shape: x the firs
 kernels (csrc/rowwise.cuh) move 4 elements (8 bytes) at a time, so H is a positive multiple of 4 and
 row and batch strides are multiples of 4 elements.
 
+The quantizing form (`RowOp.quantized`) writes, in place of the activation, what the next torchao
+float8 Linear (per-row scales) would make of it: the row [prefix | op(x)] (a single block's attention
+output beside its activation, or op(x) alone), each value rounded to the dtype as eager's buffer holds
+it, as e4m3fn bytes and a float32 scale a row, torchao's bits (`float8_quant`, docs/numerics.md 15).
+The activation itself is never written.
+
 `RowGuards` words the checks once for every such op; `RowOp` makes the decisions every such op
-makes the same way (`fused`, `apply`, `concat`, the validated call), `define_operator` its
-torch.library operator, and `Config`, `compare` and `fused_op` its self-check's verdicts. Each op's
-package names them and says in its docstrings what it computes.
+makes the same way (`fused`, `apply`, `concat`, `quantized`, the validated call), `define_operator`
+its torch.library operator, and `Config`, `compare` and `fused_op` its self-check's verdicts. Each
+op's package names them and says in its docstrings what it computes.
 """
 
 from __future__ import annotations
@@ -32,12 +38,18 @@ from .verdicts import Guard, Reason, TypeReason, raise_for
 
 @dataclass(frozen=True)
 class Config:
-    """What one self-check verdict of a row-wise op covers, with the device and the torch version."""
+    """What one self-check verdict of a row-wise op covers, with the device and the torch version:
+    its kernel for a dtype, or (`quantized`) its kernel with the quantizing epilogue."""
 
     dtype: torch.dtype
+    quantized: bool = False
 
     def __str__(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        return str(self.dtype).removeprefix("torch.") + (" quantized" if self.quantized else "")
+
+
+# The widest joint row the quantizing kernels hold (256 threads x 24 vectors of 4 elements).
+MAX_QUANTIZED_WIDTH = 24576
 
 
 def rows_reason(name: str, t: Any) -> Reason:
@@ -86,6 +98,10 @@ class RowGuards:
         self.into = Guard(("x", "out"), self._metadata_reason, self._runtime_reason)
         self.pair = Guard(("x", "b"), self._pair_reason, self._runtime_reason)
         self.pair_into = Guard(("x", "b", "out"), self._pair_reason, self._runtime_reason)
+        quantized = self._quantized_runtime_reason
+        self.quantized = Guard(("x",), self._quantized_reason, quantized)
+        self.quantized_prefix = Guard(("x", "prefix"), self._quantized_reason, quantized)
+        self.quantized_pair = Guard(("x", "b"), lambda x, b: self._quantized_reason(x, b=b), quantized)
 
     def width(self, x: torch.Tensor) -> int:
         """H: the width of out's rows for x."""
@@ -121,9 +137,50 @@ class RowGuards:
         """The metadata checks of the two-tensor form (x the first operand, b the second)."""
         return self._metadata_reason(x, out, b)
 
+    def _quantized_reason(self, x: Any, prefix: Any = None, b: Any = None) -> Reason:
+        """The metadata checks of the quantizing form: x (and b) as for an activation, prefix rows
+        like x's, the joint row a multiple of 8 wide (torchao's float8 GEMM) up to
+        MAX_QUANTIZED_WIDTH."""
+        reason = self._metadata_reason(x, None, b)
+        if reason is not None:
+            return reason
+        width = self.width(x) if b is None else x.shape[-1]
+        if prefix is not None:
+            reason = rows_reason("prefix", prefix)
+            if reason is not None:
+                return reason
+            if prefix.dtype != x.dtype or prefix.device != x.device:
+                where = f"prefix is {prefix.dtype} on {prefix.device}"
+                return TypeReason(f"{where}, x is {x.dtype} on {x.device}")
+            if prefix.shape[:-1] != x.shape[:-1] or prefix.shape[-1] % 4 != 0:
+                return f"prefix shape {tuple(prefix.shape)} is not x's rows, a multiple of 4 wide"
+            width += prefix.shape[-1]
+        if width % 8 != 0 or width > MAX_QUANTIZED_WIDTH:
+            return f"a joint row of {width} is not a multiple of 8 up to {MAX_QUANTIZED_WIDTH}"
+        return None
+
     def _runtime_reason(self, x: torch.Tensor, *_: Any) -> Reason:
         """Kill switch, kernel build and the self-check for this (device, dtype)."""
         return runtime.runtime_reason(self.op, x.device, Config(x.dtype))
+
+    def _quantized_runtime_reason(self, x: torch.Tensor, *_: Any) -> Reason:
+        """The same for the kernel with the quantizing epilogue, which is built for sm_89 and newer
+        only (the GPUs with float8 GEMMs)."""
+        config = Config(x.dtype, quantized=True)
+        return self.op.unbuilt(x.device, config) or runtime.runtime_reason(self.op, x.device, config)
+
+    def quantized_reason(self, x: Any, prefix: Any = None, b: Any = None) -> Reason:
+        """Why the quantizing kernel declines x (after prefix, or with b), or None when it accepts."""
+        guard, rest = self.quantized_guard(prefix, b)
+        return guard.reason(x, *rest)
+
+    def quantized_guard(self, prefix: Any, b: Any) -> tuple[Guard, tuple[Any, ...]]:
+        """The guard of this quantizing call (a prefix, or b, or neither), and its arguments after x."""
+        if prefix is not None and b is not None:
+            raise ValueError("the quantizing form takes a prefix or b, not both")
+        if prefix is not None:
+            return self.quantized_prefix, (prefix,)
+        return (self.quantized, ()) if b is None else (self.quantized_pair, (b,))
 
     def _guard(self, out: Any, b: Any) -> tuple[Guard, tuple[Any, ...]]:
         """The guard of this form of call, and its arguments after x."""
@@ -169,6 +226,8 @@ class RowOp:
     launch: Callable[..., torch.Tensor]
     reference: Callable[..., torch.Tensor]
     operator: Callable[..., torch.Tensor]
+    # launch_quantized(x, prefix, b) -> (q, scale): the kernel with the quantizing epilogue
+    launch_quantized: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
     def fused(
         self, x: torch.Tensor, out: torch.Tensor | None = None, b: torch.Tensor | None = None
@@ -213,6 +272,20 @@ class RowOp:
         self.apply(x, out=joint[..., width:])
         return joint
 
+    def quantized(
+        self, x: torch.Tensor, *, prefix: torch.Tensor | None = None, b: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q, scale): the row [prefix | op(x)] (op(x, b)) as torchao's per-row float8, the bytes
+        [..., P + H] and a float32 scale [..., 1] a row, from one launch; None where the guards
+        decline or under a torch.compile trace (the caller then computes the activation, and the
+        Linear quantizes it)."""
+        if torch.compiler.is_compiling():
+            return None
+        guard, rest = self.guards.quantized_guard(prefix, b)
+        if not guard(x, *rest):
+            return None
+        return self.launch_quantized(x, prefix, b)
+
     def validated(
         self, x: torch.Tensor, out: torch.Tensor | None = None, b: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -220,6 +293,13 @@ class RowOp:
         devices) or ValueError (shapes, strides, alignment, overlap) naming the problem."""
         self.guards.validate(x, out, b)
         return self.launch(x, out) if b is None else self.launch(x, out, b)
+
+
+def quantized_outputs(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh (q, scale) for the quantizing form over x's rows: e4m3fn [..., width] and float32
+    [..., 1], the shapes torchao's per-row quantization of a [..., width] activation has."""
+    q = torch.empty((*x.shape[:-1], width), dtype=torch.float8_e4m3fn, device=x.device)
+    return q, torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
 
 
 def compare(
@@ -239,13 +319,76 @@ def compare(
     return True, detail
 
 
+def quantizing_cases(
+    device: torch.device, dtype: torch.dtype, gen: torch.Generator, operands: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """The quantizing kernel's self-check cases (x, prefix, b) for an op of `operands` operands:
+    random rows with edge rows (zero, tiny, huge values, NaN, +-Inf: each scale's long path), a
+    prefix beside strided operand rows, random bit patterns, a joint row wider than the narrow
+    kernel's, and for two operands the two-tensor form."""
+    from .bits import random_bits
+
+    batch, tokens, hidden = 2, 13, 200
+    x = (torch.randn(batch, tokens, operands * hidden, generator=gen, device=device) * 4).to(dtype)
+    x[0, 0] = 0.0
+    x[0, 1] *= 1e-6
+    x[0, 2] = torch.finfo(dtype).max / 4
+    x[0, 3, 3], x[0, 4, 5], x[0, 5, 7] = float("nan"), float("inf"), -float("inf")
+    wide = torch.randn(batch, tokens, 3 * hidden + operands * hidden, generator=gen, device=device).to(dtype)
+    prefix = (torch.randn(batch, tokens, 3 * hidden, generator=gen, device=device) * 2).to(dtype)
+    long_row = torch.randn(1, 3, operands * 13000, generator=gen, device=device).to(dtype)
+    cases = {
+        "random and edge rows": (x, None, None),
+        "a prefix beside strided rows": (wide[..., 3 * hidden :], prefix, None),
+        "random bit patterns after a prefix": (
+            random_bits((batch, tokens, operands * hidden), dtype, gen),
+            random_bits((batch, tokens, 3 * hidden), dtype, gen),
+            None,
+        ),
+        "a row of 19000 after a prefix": (long_row, torch.randn(1, 3, 6000, device=device).to(dtype), None),
+    }
+    if operands == 2:
+        cases["two projections"] = (x[..., :hidden].contiguous(), None, x[..., hidden:].contiguous())
+    return cases
+
+
+def compare_quantized(
+    device: torch.device,
+    cases: Mapping[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+    launch_quantized: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    reference: Callable[..., torch.Tensor],
+    detail: str,
+) -> tuple[bool, str]:
+    """The quantizing kernel's verdict over its cases (name -> (x, prefix or None, b or None)): its
+    bytes and scales against torchao's quantization (`float8_quant.reference`, eager's kernels) of
+    eager's joint row, `cat([prefix, reference(x[, b])])`."""
+    from .float8_quant import reference as float8
+    from .float8_quant.selfcheck import same
+
+    for name, (x, prefix, b) in cases.items():
+        value = reference(x) if b is None else reference(x, b)
+        joint = value if prefix is None else torch.cat([prefix, value], dim=-1)
+        if not same(launch_quantized(x, prefix, b), float8.quantize(joint, "row")):
+            return False, f"{name}: differs from eager"
+    torch.cuda.synchronize(device)
+    return True, detail
+
+
 def fused_op(
     name: str, spec: jit.KernelSpec, self_check: Callable[[torch.device, Config], tuple[bool, str]]
 ) -> FusedOp:
-    """A row-wise op's `FusedOp`: one self-check verdict per (device, dtype); `flux2-fused verify` checks
-    bf16 and fp16."""
-    configs = tuple(Config(dtype) for dtype in runtime.SUPPORTED_DTYPES)
-    return FusedOp(name=name, spec=spec, self_check=self_check, verify_configs=configs)
+    """A row-wise op's `FusedOp`: one self-check verdict per (device, dtype) for each of its kernels;
+    `flux2-fused verify` checks bf16 and fp16, plain and quantizing."""
+    configs = tuple(Config(dtype, q) for q in (False, True) for dtype in runtime.SUPPORTED_DTYPES)
+    return FusedOp(name=name, spec=spec, self_check=self_check, verify_configs=configs, unbuilt=unbuilt)
+
+
+def unbuilt(device: torch.device, config: Config) -> str | None:
+    """The quantizing kernels are built for sm_89 and newer only (the GPUs with float8 GEMMs; older
+    ones never quantize an activation to float8): why not here, or None."""
+    if config.quantized and torch.cuda.get_device_capability(device) < (8, 9):
+        return "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
+    return None
 
 
 def define_operator(

@@ -75,13 +75,16 @@ class FusedOp:
     """What the shared machinery needs to know of one op.
 
     self_check(device, config) compares the kernel with eager for one configuration and returns
-    (passed, what was compared); verify_configs are the configurations `flux2-fused verify` checks.
+    (passed, what was compared); verify_configs are the configurations `flux2-fused verify` checks;
+    unbuilt(device, config) says why a configuration's kernel is not built for that device's GPU
+    (None where it is), so that neither the self-check nor verify launches it there.
     """
 
     name: str
     spec: jit.KernelSpec
     self_check: Callable[[torch.device, Hashable], tuple[bool, str]]
     verify_configs: tuple[Hashable, ...] = ()
+    unbuilt: Callable[[torch.device, Hashable], str | None] = lambda device, config: None
 
 
 @dataclass

@@ -93,3 +93,37 @@ def test_follows_current_stream_and_graph_capture(gen):
 def test_tensors_on_a_device_other_than_the_current_one():
     x = torch.randn(2, 33, 2 * 1024, device="cuda:1").to(torch.bfloat16)
     assert_runs_on_its_tensors_device("swiglu", guards.plain, swiglu, reference.swiglu, x)
+
+
+def _quantized_equals_torchao(x, prefix=None, b=None) -> bool:
+    """The quantizing kernel's (bytes, scales) against torchao's quantization of eager's joint row."""
+    from flux2_fused.ops import swiglu as op
+    from flux2_fused.ops.float8_quant import reference as float8
+    from flux2_fused.ops.float8_quant.selfcheck import same
+
+    value = reference.swiglu(x) if b is None else reference.swiglu(x, b)
+    joint = value if prefix is None else torch.cat([prefix, value], dim=-1)
+    got = op.quantized(x, prefix=prefix, b=b)
+    return got is not None and same(got, float8.quantize(joint, "row"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize(
+    ("dim", "hidden", "tokens"),
+    [(3072, 9216, 4608), (6144, 18432, 4608), (3072, 9216, 37), (0, 9216, 4096), (0, 18432, 512), (8, 16, 5)],
+)
+def test_quantized_rows_equal_torchaos_quantization_of_eager(dim, hidden, tokens, batch, dtype, gen):
+    """A single block's [attention | swiglu(mlp)] (FLUX.2 klein's and dev's widths; dim 0: a
+    feed-forward's swiglu alone), the MLP part a strided view of the projection, edge values in it."""
+    x = _rows(batch, tokens, hidden, dtype, gen, extra=3 * max(dim, 8))
+    prefix = (torch.randn(batch, tokens, dim, generator=gen, device="cuda") * 3).to(dtype) if dim else None
+    assert _quantized_equals_torchao(x, prefix)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantized_two_projections_and_random_bits(dtype, gen):
+    a, b = (random_bits((2, 300, 10240), dtype, gen) for _ in range(2))
+    assert _quantized_equals_torchao(a, b=b)
+    x, prefix = random_bits((2, 300, 2 * 9216), dtype, gen), random_bits((2, 300, 3072), dtype, gen)
+    assert _quantized_equals_torchao(x, prefix)

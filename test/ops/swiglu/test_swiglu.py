@@ -54,6 +54,25 @@ CASES: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
+UNBUILT = "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
+QUANTIZED_CASES = conftest.quantized_cases(2)
+
+
+@pytest.mark.parametrize("name", QUANTIZED_CASES)
+@pytest.mark.usefixtures("accept_runtime")
+def test_quantized_decline_reason(name: str) -> None:
+    conftest.assert_quantized_declines(guards.rows, swiglu, *QUANTIZED_CASES[name])
+
+
+@pytest.mark.usefixtures("accept_runtime")
+def test_quantizing_declines_below_sm_89(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its kernel is built for GPUs with float8 GEMMs only: older ones decline it (and verify skips it)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    x = as_cuda(torch.zeros(2, 5, 2 * 8, dtype=torch.bfloat16))
+    assert guards.rows.quantized_reason(x) == UNBUILT
+    assert swiglu.quantized(x) is None
+
+
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.usefixtures("accept_runtime")
 def test_decline_reason(name: str) -> None:
@@ -117,4 +136,5 @@ def test_operator_opcheck_and_gradients_cpu(dtype: torch.dtype) -> None:
 
 
 def test_every_decline_reason_has_a_case() -> None:
-    conftest.assert_every_reason_has_a_case([reason for _, reason in CASES.values()], guards, rowwise)
+    produced = [reason for _, reason in (*CASES.values(), *QUANTIZED_CASES.values())] + [UNBUILT]
+    conftest.assert_every_reason_has_a_case(produced, guards, rowwise)

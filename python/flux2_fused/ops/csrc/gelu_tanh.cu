@@ -1,5 +1,6 @@
-// tvm-ffi entry point of the GELU (tanh) kernel: the row-wise launch (rowwise.cuh) of gelu_tanh.cuh's
-// kernel, x's rows holding one operand. The Python layer (flux2_fused/ops/gelu_tanh/) validates every
+// tvm-ffi entry points of the GELU (tanh) kernel: the row-wise launch (rowwise.cuh) of gelu_tanh.cuh's
+// kernel, x's rows holding one operand, into rows of T or (with a prefix's rows first where given)
+// quantized for the next float8 Linear. The Python layer (flux2_fused/ops/gelu_tanh/) validates every
 // input and decides when the kernel may run.
 #include <tvm/ffi/function.h>
 
@@ -14,8 +15,16 @@ void gelu_tanh(tvm::ffi::TensorView out, tvm::ffi::TensorView x) {
                     gelu_tanh_kernel<__nv_bfloat16>, gelu_tanh_kernel<__half>);
 }
 
+// The rows [prefix | gelu_tanh(x)] as torchao's per-row float8: q bytes and a scale a row.
+void gelu_tanh_quantized(tvm::ffi::TensorView q, tvm::ffi::TensorView scale,
+                         tvm::ffi::Optional<tvm::ffi::TensorView> prefix, tvm::ffi::TensorView x) {
+  rowwise::dispatch_quantized(q, scale, prefix, x, tvm::ffi::Optional<tvm::ffi::TensorView>(), /*operands=*/1,
+                              "gelu_tanh", gelu_tanh_kernel_quantized<__nv_bfloat16>, gelu_tanh_kernel_quantized<__half>);
+}
+
 }  // namespace
 }  // namespace gelu_tanh
 }  // namespace flux2_fused
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gelu_tanh, flux2_fused::gelu_tanh::gelu_tanh);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(gelu_tanh_quantized, flux2_fused::gelu_tanh::gelu_tanh_quantized);

@@ -47,5 +47,11 @@ __global__ void __launch_bounds__(rowwise::kThreads) gelu_tanh_kernel(const roww
   rowwise::map_row<T, 1>(p, [](float x) { return gelu(x); });
 }
 
+// The same values, the row [prefix | gelu] quantized for the next Linear (rowwise::quantize_row).
+template <typename T>
+__global__ void __launch_bounds__(rowwise::kMaxQuantizingThreads) gelu_tanh_kernel_quantized(const rowwise::Params<T> p) {
+  rowwise::quantize_row<T, 1, rowwise::kHeld>(p, [](float x) { return gelu(x); });
+}
+
 }  // namespace gelu_tanh
 }  // namespace flux2_fused

@@ -10,7 +10,13 @@
 //
 // One block of 256 threads handles one row; thread t owns the 4-element (8-byte) vectors t, t + 256,
 // ... of the row's H outputs, with up to kUnroll of them in flight. Every input is read once, so the
-// loads are streaming (__ldcs). The Python layer (flux2_fused/ops/rowwise.py) validates every input
+// loads are streaming (__ldcs).
+//
+// The quantizing epilogue (`quantize_row`) writes, instead of out, the row that the next Linear reads
+// as torchao's per-row float8 (float8_quant.cuh): the joint row [prefix | f(x)] (a single block's
+// attention output beside its activation, or f(x) alone), each value rounded to T as eager's buffer
+// holds it, then its amax over the row, the scale and the e4m3fn bytes. A thread holds its kHeld
+// vectors of the joint row (t, t + 256, ...) in registers between the amax and the bytes. The Python layer (flux2_fused/ops/rowwise.py) validates every input
 // and decides when a kernel may run; the host checks here only stop a misuse from touching the
 // wrong memory.
 #pragma once
@@ -27,6 +33,7 @@
 
 #include "common.cuh"
 #include "entry.cuh"
+#include "float8_quant.cuh"
 
 namespace flux2_fused {
 namespace rowwise {
@@ -34,6 +41,8 @@ namespace rowwise {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 constexpr int kMaxOperands = 2;
+constexpr int kMaxQuantizingThreads = 512;
+constexpr int kHeld = 12;  // vectors a thread of the quantizing kernel holds
 
 template <typename T>
 using Quad = Packed<T, 2>;  // four elements, 8 bytes
@@ -48,6 +57,13 @@ struct Params {
   int64_t out_batch_stride, out_row_stride;
   int64_t rows_per_batch;
   int32_t hidden;           // H, a multiple of 4
+  // The quantizing epilogue's row: `prefix_width` (a multiple of 4, or 0) columns of prefix, then
+  // f(x), as e4m3fn bytes into q ([rows, prefix_width + H], contiguous) with a scale a row.
+  const T* prefix;
+  int64_t prefix_batch_stride, prefix_row_stride;
+  int32_t prefix_width;
+  uint8_t* q;
+  float* scale;
 };
 
 // f of element j of each operand's vector.
@@ -98,48 +114,166 @@ __device__ __forceinline__ void map_row(const Params<T>& p, F f) {
   }
 }
 
+// The body of a row-wise kernel with the quantizing epilogue: the joint row [prefix | f(x)] of this
+// block, its values rounded to T, as torchao's per-row float8 into q and scale. A block of 256 or 512
+// threads (kMaxQuantizingThreads), kHeld vectors a thread, holds rows up to blockDim.x * kHeld * 4
+// wide.
+template <typename T, int kOperands, int kHeld, typename F>
+__device__ __forceinline__ void quantize_row(const Params<T>& p, F f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  __trap();  // float8 GEMMs need sm_89: the guards never launch it on an older GPU, and no code is built
+#else
+  using Operands = std::make_index_sequence<kOperands>;
+  __shared__ unsigned int warp_max[kMaxQuantizingThreads / 32];
+  const int threads = blockDim.x;
+  const int64_t row = blockIdx.x;
+  const int64_t batch = row / p.rows_per_batch;
+  const int64_t r = row - batch * p.rows_per_batch;
+  const T* in_row[kOperands];
+#pragma unroll
+  for (int i = 0; i < kOperands; ++i) in_row[i] = p.in[i] + batch * p.in_batch_stride[i] + r * p.in_row_stride[i];
+  const T* prefix_row = p.prefix + batch * p.prefix_batch_stride + r * p.prefix_row_stride;
+  const int prefix_vectors = p.prefix_width / 4;
+  const int vectors = prefix_vectors + p.hidden / 4;
+  Quad<T> in[kHeld][kOperands];  // a prefix vector, or the operands; then the row's value in [k][0]
+#pragma unroll
+  for (int k = 0; k < kHeld; ++k) {  // every load of the row in flight at once
+    const int v = threadIdx.x + k * threads - prefix_vectors;
+    if (v < 0) {
+      const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(prefix_row) + v + prefix_vectors);
+      in[k][0] = *reinterpret_cast<const Quad<T>*>(&raw);
+    } else if (v + prefix_vectors < vectors) {
+#pragma unroll
+      for (int i = 0; i < kOperands; ++i) {
+        const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(in_row[i]) + v);
+        in[k][i] = *reinterpret_cast<const Quad<T>*>(&raw);
+      }
+    }
+  }
+  unsigned int m = 0;
+#pragma unroll
+  for (int k = 0; k < kHeld; ++k) {
+    const int v = threadIdx.x + k * threads - prefix_vectors;
+    if (v >= 0 && v + prefix_vectors < vectors) {
+      Quad<T> o;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        o.p[h] = Elem<T>::pack(element<T, kOperands>(f, in[k], 2 * h, Operands{}),
+                               element<T, kOperands>(f, in[k], 2 * h + 1, Operands{}));
+      }
+      in[k][0] = o;
+    }
+    if (v + prefix_vectors < vectors) m = max(m, float8_quant::packed_max<T, 2>(in[k][0]));
+  }
+  m = __reduce_max_sync(0xffffffffu, m);
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kMaxQuantizingThreads / 32; ++w) m = max(m, w < threads / 32 ? warp_max[w] : 0u);
+  const float scale = float8_quant::scale_of<T>(m);
+  if (threadIdx.x == 0) p.scale[row] = scale;
+  const float8_quant::Divisor d = float8_quant::divisor_of(scale);
+  unsigned int* q_row = reinterpret_cast<unsigned int*>(p.q + row * (int64_t{4} * vectors));
+#pragma unroll
+  for (int k = 0; k < kHeld; ++k) {
+    const int j = threadIdx.x + k * threads;
+    if (j < vectors) {
+      unsigned int bytes[1];
+      float8_quant::quantize_packed<T, 2>(in[k][0], d, bytes);
+      __stcs(q_row + j, bytes[0]);
+    }
+  }
+#endif
+}
+
 using tvm::ffi::Optional;
 using tvm::ffi::TensorView;
 
-// kernel over x's rows (and other's, which holds the last operand where given) into out's, on the
-// current stream of out's device.
+// The operands' pointers and strides in p: x's rows holding operands H-wide operands side by side, or
+// the first operands - 1 of them with other (rows like x's, H wide) the last.
 template <typename T>
-void launch(void (*kernel)(Params<T>), TensorView out, TensorView x, const Optional<TensorView>& other,
-            int operands, const char* name) {
+void set_operands(Params<T>& p, TensorView x, const Optional<TensorView>& other, int operands, int64_t hidden,
+                  DLDevice dev, const char* name) {
   const int in_x = other.has_value() ? operands - 1 : operands;  // operands side by side in x
   TVM_FFI_ICHECK(operands <= kMaxOperands && in_x >= 1) << name << ": too many operands";
-  TVM_FFI_ICHECK(out.ndim() == x.ndim() && out.size(-1) * in_x == x.size(-1))
-      << name << ": out's rows must be 1/" << in_x << " of x's width";
-  for (int d = 0; d + 1 < x.ndim(); ++d) TVM_FFI_ICHECK(out.size(d) == x.size(d)) << "out and x rows differ";
-  TVM_FFI_ICHECK(out.size(-1) % 4 == 0) << "H must be a multiple of 4";
-  const DLDevice dev = out.device();
+  TVM_FFI_ICHECK(hidden % 4 == 0 && hidden * in_x == x.size(-1)) << name << ": H must be a multiple of 4, 1/"
+                                                                   << in_x << " of x's width";
   check_device(x, dev);
-  Params<T> p{};
-  const int64_t hidden = out.size(-1);
   for (int i = 0; i < in_x; ++i) {
     p.in[i] = data<const T>(x) + i * hidden;
     row_layout(x, &p.in_batch_stride[i], &p.in_row_stride[i]);
   }
   if (other.has_value()) {
     const TensorView t = *other;
-    TVM_FFI_ICHECK(t.ndim() == out.ndim() && t.dtype() == x.dtype()) << name << ": other must be rows like out";
-    for (int d = 0; d < t.ndim(); ++d) TVM_FFI_ICHECK(t.size(d) == out.size(d)) << "out and other rows differ";
+    TVM_FFI_ICHECK(t.ndim() == x.ndim() && t.dtype() == x.dtype()) << name << ": other must be rows like x";
+    for (int d = 0; d + 1 < t.ndim(); ++d) TVM_FFI_ICHECK(t.size(d) == x.size(d)) << "x and other rows differ";
+    TVM_FFI_ICHECK(t.size(-1) == hidden) << name << ": other must be H wide";
     check_device(t, dev);
     p.in[in_x] = data<const T>(t);
     row_layout(t, &p.in_batch_stride[in_x], &p.in_row_stride[in_x]);
   }
-  p.out = data<T>(out);
-  row_layout(out, &p.out_batch_stride, &p.out_row_stride);
   p.rows_per_batch = x.size(-2);
   p.hidden = static_cast<int32_t>(hidden);
+}
+
+// One block of `threads` a row of x on the current stream of dev.
+template <typename T>
+void run(void (*kernel)(Params<T>), const Params<T>& p, TensorView x, DLDevice dev, const char* name,
+         int threads = kThreads) {
   const int64_t rows = (x.ndim() == 3 ? x.size(0) : 1) * x.size(-2);
   if (rows == 0 || p.hidden == 0) return;
   TVM_FFI_ICHECK(rows < (int64_t{1} << 31)) << "too many rows for one launch";
   tvm::ffi::CUDADeviceGuard device_guard(dev.device_id);
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
-  kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(p);
+  kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(p);
   const cudaError_t err = cudaGetLastError();
   TVM_FFI_ICHECK(err == cudaSuccess) << name << " launch failed: " << cudaGetErrorString(err);
+}
+
+// kernel over x's rows (and other's, which holds the last operand where given) into out's, on the
+// current stream of out's device.
+template <typename T>
+void launch(void (*kernel)(Params<T>), TensorView out, TensorView x, const Optional<TensorView>& other,
+            int operands, const char* name) {
+  TVM_FFI_ICHECK(out.ndim() == x.ndim()) << name << ": out and x must have the same rank";
+  for (int d = 0; d + 1 < x.ndim(); ++d) TVM_FFI_ICHECK(out.size(d) == x.size(d)) << "out and x rows differ";
+  const DLDevice dev = out.device();
+  Params<T> p{};
+  set_operands(p, x, other, operands, out.size(-1), dev, name);
+  p.out = data<T>(out);
+  row_layout(out, &p.out_batch_stride, &p.out_row_stride);
+  run(kernel, p, x, dev, name);
+}
+
+// The quantizing epilogue over x's rows (other as in `launch`), prefix's rows first where given: q
+// the joint rows' e4m3fn bytes ([rows, P + H], contiguous), scale one float a row.
+template <typename T>
+void launch_quantized(void (*kernel)(Params<T>), TensorView q, TensorView scale, const Optional<TensorView>& prefix,
+                      TensorView x, const Optional<TensorView>& other, int operands, const char* name) {
+  const DLDevice dev = q.device();
+  const int in_x = other.has_value() ? operands - 1 : operands;
+  const int64_t hidden = x.size(-1) / in_x;
+  const int64_t width = hidden + (prefix.has_value() ? (*prefix).size(-1) : 0);
+  const int64_t rows = x.numel() / x.size(-1);
+  TVM_FFI_ICHECK(q.IsContiguous() && q.dtype().bits == 8 && q.numel() == rows * width) << name << ": q must be the joint rows' bytes";
+  TVM_FFI_ICHECK(scale.IsContiguous() && scale.dtype().code == kDLFloat && scale.dtype().bits == 32 && scale.numel() == rows)
+      << name << ": scale must be one float a row";
+  TVM_FFI_ICHECK(width <= int64_t{4} * kMaxQuantizingThreads * kHeld) << name << ": rows wider than 24576";
+  check_device(scale, dev);
+  Params<T> p{};
+  set_operands(p, x, other, operands, hidden, dev, name);
+  if (prefix.has_value()) {
+    const TensorView t = *prefix;
+    TVM_FFI_ICHECK(t.ndim() == x.ndim() && t.dtype() == x.dtype() && t.size(-1) % 4 == 0) << name << ": prefix must be rows like x";
+    for (int d = 0; d + 1 < t.ndim(); ++d) TVM_FFI_ICHECK(t.size(d) == x.size(d)) << "x and prefix rows differ";
+    check_device(t, dev);
+    p.prefix = data<const T>(t);
+    row_layout(t, &p.prefix_batch_stride, &p.prefix_row_stride);
+    p.prefix_width = static_cast<int32_t>(t.size(-1));
+  }
+  p.q = data<uint8_t>(q);
+  p.scale = data<float>(scale);
+  run(kernel, p, x, dev, name, width <= int64_t{4} * kThreads * kHeld ? kThreads : kMaxQuantizingThreads);
 }
 
 // The op's entry: out's dtype picks the bf16 or the fp16 kernel.
@@ -152,6 +286,20 @@ inline void dispatch(TensorView out, TensorView x, const Optional<TensorView>& o
     launch(bf16_kernel, out, x, other, operands, name);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
     launch(fp16_kernel, out, x, other, operands, name);
+  } else {
+    TVM_FFI_THROW(TypeError) << name << " supports bfloat16 and float16 only";
+  }
+}
+
+// The quantizing entry: x's dtype picks the bf16 or the fp16 kernels.
+inline void dispatch_quantized(TensorView q, TensorView scale, const Optional<TensorView>& prefix, TensorView x,
+                               const Optional<TensorView>& other, int operands, const char* name,
+                               void (*bf16)(Params<__nv_bfloat16>), void (*fp16)(Params<__half>)) {
+  const DLDataType dt = x.dtype();
+  if (dt.code == kDLBfloat && dt.bits == 16) {
+    launch_quantized(bf16, q, scale, prefix, x, other, operands, name);
+  } else if (dt.code == kDLFloat && dt.bits == 16) {
+    launch_quantized(fp16, q, scale, prefix, x, other, operands, name);
   } else {
     TVM_FFI_THROW(TypeError) << name << " supports bfloat16 and float16 only";
   }

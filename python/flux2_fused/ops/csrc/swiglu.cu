@@ -1,5 +1,6 @@
-// tvm-ffi entry point of the SwiGLU kernel: the row-wise launch (rowwise.cuh) of swiglu.cuh's kernel,
-// x's rows holding both operands, or a and b as two tensors (x and `b`). The Python layer (flux2_fused/ops/swiglu/) validates every input
+// tvm-ffi entry points of the SwiGLU kernel: the row-wise launch (rowwise.cuh) of swiglu.cuh's kernel,
+// x's rows holding both operands, or a and b as two tensors (x and `b`), into rows of T or (with a
+// prefix's rows first where given) quantized for the next float8 Linear. The Python layer (flux2_fused/ops/swiglu/) validates every input
 // and decides when the kernel may run.
 #include <tvm/ffi/function.h>
 
@@ -13,8 +14,17 @@ void swiglu(tvm::ffi::TensorView out, tvm::ffi::TensorView x, tvm::ffi::Optional
   rowwise::dispatch(out, x, b, /*operands=*/2, "swiglu", swiglu_kernel<__nv_bfloat16>, swiglu_kernel<__half>);
 }
 
+// The rows [prefix | swiglu(x)] as torchao's per-row float8: q bytes and a scale a row.
+void swiglu_quantized(tvm::ffi::TensorView q, tvm::ffi::TensorView scale,
+                      tvm::ffi::Optional<tvm::ffi::TensorView> prefix, tvm::ffi::TensorView x,
+                      tvm::ffi::Optional<tvm::ffi::TensorView> b) {
+  rowwise::dispatch_quantized(q, scale, prefix, x, b, /*operands=*/2, "swiglu", swiglu_kernel_quantized<__nv_bfloat16>,
+                              swiglu_kernel_quantized<__half>);
+}
+
 }  // namespace
 }  // namespace swiglu
 }  // namespace flux2_fused
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(swiglu, flux2_fused::swiglu::swiglu);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(swiglu_quantized, flux2_fused::swiglu::swiglu_quantized);

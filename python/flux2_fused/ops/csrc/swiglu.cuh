@@ -31,5 +31,11 @@ __global__ void __launch_bounds__(rowwise::kThreads) swiglu_kernel(const rowwise
   rowwise::map_row<T, 2>(p, [](float a, float b) { return silu_mul<T>(a, b); });
 }
 
+// The same values, the row [prefix | swiglu] quantized for the next Linear (rowwise::quantize_row).
+template <typename T>
+__global__ void __launch_bounds__(rowwise::kMaxQuantizingThreads) swiglu_kernel_quantized(const rowwise::Params<T> p) {
+  rowwise::quantize_row<T, 2, rowwise::kHeld>(p, [](float a, float b) { return silu_mul<T>(a, b); });
+}
+
 }  // namespace swiglu
 }  // namespace flux2_fused

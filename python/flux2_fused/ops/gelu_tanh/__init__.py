@@ -19,7 +19,7 @@ import torch
 from ..rowwise import RowOp
 from . import guards, reference
 from .guards import SUPPORTED_DTYPES, decline_reason
-from .launch import KERNEL, launch
+from .launch import KERNEL, launch, launch_quantized
 from .selfcheck import OP, Config, self_check
 
 
@@ -29,7 +29,7 @@ def _operator(x: torch.Tensor) -> torch.Tensor:
     return library.gelu_tanh(x)
 
 
-_ROWS = RowOp(guards.rows, launch, reference.gelu_tanh, _operator)
+_ROWS = RowOp(guards.rows, launch, reference.gelu_tanh, _operator, launch_quantized)
 
 
 def fused(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -54,6 +54,15 @@ def concat(prefix: torch.Tensor, x: torch.Tensor, *, enabled: bool = True) -> to
     return _ROWS.concat(prefix, x, enabled=enabled)
 
 
+def quantized(
+    x: torch.Tensor, *, prefix: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The row [prefix | gelu_tanh(x)] as the next float8 Linear's torchao per-row quantization of
+    it, (e4m3fn bytes, float32 scale a row), from one launch that never writes the activation; None
+    where the guards decline (`RowOp.quantized`)."""
+    return _ROWS.quantized(x, prefix=prefix)
+
+
 def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The GELU kernel alone: no self-check, no fallback. Inputs it cannot take raise TypeError
     (not a tensor, dtype, device) or ValueError (shape, strides, alignment, autograd, out overlapping
@@ -72,6 +81,7 @@ __all__ = [
     "fused",
     "gelu_tanh",
     "guards",
+    "quantized",
     "reference",
     "self_check",
 ]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from .. import jit
+from ..rowwise import quantized_outputs
 
 SPEC = jit.KernelSpec(
     "gelu_tanh",
     sources=("gelu_tanh.cu",),
-    headers=("gelu_tanh.cuh", "rowwise.cuh", "common.cuh", "entry.cuh"),
+    headers=("gelu_tanh.cuh", "rowwise.cuh", "float8_quant.cuh", "common.cuh", "entry.cuh"),
 )
 KERNEL = "gelu_tanh_kernel"  # SPEC's __global__ function, by which profilers name it (ops.FUSED_KERNELS)
 
@@ -21,3 +22,13 @@ def launch(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         out = x.new_empty(x.shape)
     jit.module_for(SPEC, x.device).gelu_tanh(out, x)
     return out
+
+
+def launch_quantized(
+    x: torch.Tensor, prefix: torch.Tensor | None, b: None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows [prefix | gelu_tanh(x)] as torchao's per-row float8 (`RowOp.quantized`): fresh
+    e4m3fn bytes and a float32 scale a row."""
+    q, scale = quantized_outputs(x, x.shape[-1] + (0 if prefix is None else prefix.shape[-1]))
+    jit.module_for(SPEC, x.device).gelu_tanh_quantized(q.view(torch.uint8), scale, prefix, x)
+    return q, scale

@@ -17,16 +17,21 @@ import os
 import torch
 
 from ..bits import every_bit_pattern, random_bits
-from ..rowwise import Config, compare, fused_op
+from ..rowwise import Config, compare, compare_quantized, fused_op, quantizing_cases
 from . import reference
-from .launch import SPEC, launch
+from .launch import SPEC, launch, launch_quantized
 
 
 def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
-    """Compare the kernel with live eager for one dtype: (passed, what was compared)."""
+    """Compare the kernel (or the one with the quantizing epilogue) with live eager for one dtype:
+    (passed, what was compared)."""
     dtype = config.dtype
     gen = torch.Generator(device=device)
     gen.manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
+    if config.quantized:
+        cases = quantizing_cases(device, dtype, gen, operands=1)
+        detail = f"{len(cases)} quantizing cases {dtype}, edge rows + random bits"
+        return compare_quantized(device, cases, launch_quantized, reference.gelu_tanh, detail)
     batch, tokens, hidden = 2, 33, 1000  # 66000 elements: room for every pattern
     every = random_bits((batch, tokens, hidden), dtype, gen)
     patterns = every_bit_pattern(dtype, device)

@@ -18,7 +18,7 @@ import torch
 from ..rowwise import RowOp
 from . import guards, reference
 from .guards import SUPPORTED_DTYPES, decline_reason
-from .launch import KERNEL, launch
+from .launch import KERNEL, launch, launch_quantized
 from .selfcheck import OP, Config, self_check
 
 
@@ -28,7 +28,7 @@ def _operator(x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return library.swiglu(x, b)
 
 
-_ROWS = RowOp(guards.rows, launch, reference.swiglu, _operator)
+_ROWS = RowOp(guards.rows, launch, reference.swiglu, _operator, launch_quantized)
 
 
 def fused(
@@ -59,6 +59,15 @@ def concat(prefix: torch.Tensor, x: torch.Tensor, *, enabled: bool = True) -> to
     return _ROWS.concat(prefix, x, enabled=enabled)
 
 
+def quantized(
+    x: torch.Tensor, *, prefix: torch.Tensor | None = None, b: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The row [prefix | swiglu(x)] (`swiglu(x, b=b)`) as the next float8 Linear's torchao per-row
+    quantization of it, (e4m3fn bytes, float32 scale a row), from one launch that never writes the
+    activation; None where the guards decline (`RowOp.quantized`)."""
+    return _ROWS.quantized(x, prefix=prefix, b=b)
+
+
 def swiglu(x: torch.Tensor, out: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel, without the self-check. Unsupported inputs raise TypeError (types, dtypes,
     devices) or ValueError (shapes, strides, alignment, overlap) naming the problem."""
@@ -75,6 +84,7 @@ __all__ = [
     "decline_reason",
     "fused",
     "guards",
+    "quantized",
     "reference",
     "self_check",
     "swiglu",

@@ -5,9 +5,12 @@ from __future__ import annotations
 import torch
 
 from .. import jit
+from ..rowwise import quantized_outputs
 
 SPEC = jit.KernelSpec(
-    "swiglu", sources=("swiglu.cu",), headers=("swiglu.cuh", "rowwise.cuh", "common.cuh", "entry.cuh")
+    "swiglu",
+    sources=("swiglu.cu",),
+    headers=("swiglu.cuh", "rowwise.cuh", "float8_quant.cuh", "common.cuh", "entry.cuh"),
 )
 KERNEL = "swiglu_kernel"  # SPEC's __global__ function, by which profilers name it (ops.FUSED_KERNELS)
 
@@ -19,3 +22,14 @@ def launch(x: torch.Tensor, out: torch.Tensor | None, b: torch.Tensor | None = N
         out = x.new_empty((*x.shape[:-1], x.shape[-1] if b is not None else x.shape[-1] // 2))
     jit.module_for(SPEC, x.device).swiglu(out, x, b)
     return out
+
+
+def launch_quantized(
+    x: torch.Tensor, prefix: torch.Tensor | None, b: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows [prefix | silu(a) * b] as torchao's per-row float8 (`RowOp.quantized`): fresh
+    e4m3fn bytes and a float32 scale a row."""
+    hidden = x.shape[-1] if b is not None else x.shape[-1] // 2
+    q, scale = quantized_outputs(x, hidden + (0 if prefix is None else prefix.shape[-1]))
+    jit.module_for(SPEC, x.device).swiglu_quantized(q.view(torch.uint8), scale, prefix, x, b)
+    return q, scale
