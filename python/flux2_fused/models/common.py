@@ -11,6 +11,7 @@ everything here reaches the framework only through `flux2_fused.host.Host`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -278,27 +279,43 @@ def activation_plain(host: Host, act: nn.Module | None) -> bool:
     return host.plain(act) and all(type(child) is nn.SiLU and host.plain(child) for child in children)
 
 
-def activate(act: nn.Module | None, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
-    """The activation `act` stands for (`activation_plain`), by its op: tanh GELU or SwiGLU."""
-    if type(act) is nn.GELU:
-        return gelu_tanh.apply(x, enabled=fusion.fused)
-    return swiglu.apply(x, enabled=fusion.fused)
+def activation_op(act: nn.Module | None) -> ModuleType:
+    """The op computing the activation `act` stands for (`activation_plain`): tanh GELU or SwiGLU."""
+    return gelu_tanh if type(act) is nn.GELU else swiglu
 
 
-def activate_concat(
-    act: nn.Module | None, fusion: Fusion, out: torch.Tensor, x: torch.Tensor
+def project_activation(
+    host: Host,
+    linear: nn.Module,
+    op: ModuleType,
+    fusion: Fusion,
+    x: torch.Tensor,
+    *,
+    prefix: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`cat([out, act(x)], dim=2)`, the activation written into its half of the buffer by its op."""
-    if type(act) is nn.GELU:
-        return gelu_tanh.concat(out, x, enabled=fusion.fused)
-    return swiglu.concat(out, x, enabled=fusion.fused)
+    """`linear(cat([prefix, op(x)], dim=-1))` (op(x, b) for SwiGLU's two-tensor form; no cat without
+    a prefix), the activation computed by its row-wise op (`gelu_tanh`, `swiglu`) straight into its
+    place in the joint buffer. Where the host quantizes `linear`'s input per row for torchao's float8
+    GEMM, the op's kernel writes that quantization of the joint row instead, in the same launch
+    (`float8_linear.Quantized`): the activation itself is then never written or read back."""
+
+    def activation() -> torch.Tensor:
+        if prefix is not None:
+            return op.concat(prefix, x, enabled=fusion.fused)
+        return op.apply(x, enabled=fusion.fused) if b is None else op.apply(x, b=b, enabled=fusion.fused)
+
+    if fusion.fused and host.float8_input(linear) == "row":
+        quantized = op.quantized(x, prefix=prefix) if b is None else op.quantized(x, b=b)
+        if quantized is not None:
+            return host.linear(linear, float8_linear.Quantized(*quantized, "row", x.dtype, activation))
+    return host.linear(linear, activation())
 
 
 def mlp(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
     """linear_in, the activation (`ff.act_fn`, SwiGLU where it has none), linear_out."""
-    return host.linear(
-        ff.linear_out, activate(getattr(ff, "act_fn", None), fusion, host.linear(ff.linear_in, x))
-    )
+    op = activation_op(getattr(ff, "act_fn", None))
+    return project_activation(host, ff.linear_out, op, fusion, host.linear(ff.linear_in, x))
 
 
 def feed_forward_plain(host: Host, ff: nn.Module) -> bool:

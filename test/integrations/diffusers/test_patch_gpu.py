@@ -324,7 +324,8 @@ def test_torchao_dynamic_quantization_stays_fully_fused(
 ) -> None:
     """Dynamically quantized activations and weights (torchao): every elementwise site around the
     quantized linears fuses, the block code's float8 linears get their inputs from `float8_quant`
-    (int8 linears run as modules), and the output is the quantized model's alone."""
+    or, per row, from the activation's own kernel (int8 linears run as modules), and the output is
+    the quantized model's alone."""
     quantization = pytest.importorskip("torchao.quantization")
     if config_name.startswith("Float8") and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs sm_89 or newer")
@@ -340,7 +341,10 @@ def test_torchao_dynamic_quantization_stays_fully_fused(
     with torch.inference_mode():
         model(**inputs)
         quantized = fused_launches(lambda: model(**inputs), (float8_quant.KERNEL,))
+        epilogues = fused_launches(lambda: model(**inputs), ("_kernel_quantized",))
     assert (quantized > 0) == config_name.startswith("Float8")
+    # per row, the activations before the output projections come quantized from their op's kernel
+    assert (epilogues > 0) == (granularity == "PerRow")
 
 
 @pytest.mark.parametrize("granularity", ["PerRow", "PerTensor"])

@@ -35,6 +35,7 @@ from ..common import (
     layer_norms_plain,
     module_rope,
     output_norm,
+    project_activation,
     prologue,
     qkv_projections,
     split_modulation,
@@ -84,8 +85,7 @@ def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> 
         and gelu_plain(host, net[0])
         and all(dropout_inactive(host, m) for m in net[1::2])
     ):
-        hidden = host.linear(net[0].proj, x)
-        return host.linear(net[2], gelu_tanh.apply(hidden, enabled=fusion.fused))
+        return project_activation(host, net[2], gelu_tanh, fusion, host.linear(net[0].proj, x))
     return host.call(ff, x)
 
 
@@ -183,7 +183,7 @@ def single_update(
     query, key, value = qkv_projections(attn, host, h, ("to_q", "to_k", "to_v"), "to_qkv")
     query, key, _ = prologue(host, fusion, [(query, attn.norm_q)], [(key, attn.norm_k)], rope)
     out = attend(query, key, value)
-    return host.linear(block.proj_out, gelu_tanh.concat(out, mlp, enabled=fusion.fused))
+    return project_activation(host, block.proj_out, gelu_tanh, fusion, mlp, prefix=out)
 
 
 def single_block_body(

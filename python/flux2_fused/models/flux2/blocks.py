@@ -29,7 +29,7 @@ from ...host import Attention, Host
 from ..common import (
     Options,
     Rope,
-    activate_concat,
+    activation_op,
     activation_plain,
     call_double_block,
     double_block_mlps,
@@ -37,6 +37,7 @@ from ..common import (
     joint_attention_rows,
     layer_norms_plain,
     output_norm,
+    project_activation,
     prologue,
     split_modulation,
 )
@@ -97,8 +98,8 @@ def parallel_attention(
     query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
     query, key, _ = prologue(host, fusion, [(query, attn.norm_q)], [(key, attn.norm_k)], rope)
     out = attend(query, key, value)
-    act = getattr(attn, "mlp_act_fn", None)
-    return host.linear(attn.to_out, activate_concat(act, fusion, out, mlp))
+    op = activation_op(getattr(attn, "mlp_act_fn", None))
+    return project_activation(host, attn.to_out, op, fusion, mlp, prefix=out)
 
 
 def single_attention(

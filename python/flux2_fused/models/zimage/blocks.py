@@ -30,7 +30,7 @@ from ... import float8_linear
 from ...host import Host, methods_unpatched
 from ...ops import sandwich_norm, swiglu
 from ...ops.qk_norm_rope.reference import complex_tables
-from ..common import HostRope, prologue, qkv_projections
+from ..common import HostRope, project_activation, prologue, qkv_projections
 from ..deferral import Fusion
 
 MODULE = "diffusers.models.transformers.transformer_z_image"
@@ -91,7 +91,7 @@ def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, h: torch.Tensor) -> 
         return host.call(ff, h)
     with float8_linear.shared(h):
         gate, up = host.linear(ff.w1, h), host.linear(ff.w3, h)
-    return host.linear(ff.w2, swiglu.apply(gate, b=up, enabled=fusion.fused))
+    return project_activation(host, ff.w2, swiglu, fusion, gate, b=up)
 
 
 def modulation(block: nn.Module, host: Host, adaln_input: torch.Tensor) -> list[torch.Tensor]:
