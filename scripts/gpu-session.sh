@@ -164,13 +164,14 @@ for step in "$@"; do
       python3 -m flux2_fused kernel --op sandwich_norm --json "$OUT/kernel-sandwich_norm.json" --no-compile 2>&1 |
         tee "$OUT/kernel-sandwich_norm.log" || rc=1 ;;
     fp8)  # torchao float8: float8_quant's GPU tests and kernel benchmark, the torchao GPU tests, then
-      # klein-4B per row (beside torch.compile) and per tensor with the FP8 floor, and dev per row
+      # klein-4B per row (beside torch.compile of eager and of enable()) and per tensor with the FP8
+      # floor, and dev per row
       python3 -m pytest -q test/ops/float8_quant -m gpu 2>&1 | tee "$OUT/fp8-tests.log" | tail -3 || rc=1
       python3 -m pytest -q test/integrations/diffusers/test_patch_gpu.py test/models/flux3/test_diffusers_gpu.py -m gpu \
         -k "torchao" 2>&1 | tee -a "$OUT/fp8-tests.log" | tail -3 || rc=1
       python3 -m flux2_fused kernel --op float8_quant --json "$OUT/kernel-float8_quant.json" 2>&1 |
         tee "$OUT/kernel-float8_quant.log" || rc=1
-      step_bench step-fp8-row --configs klein-4b --host diffusers --quantize float8-row --floor --vs-compile || rc=1
+      step_bench step-fp8-row --configs klein-4b --host diffusers --quantize float8-row --floor --vs-compile both || rc=1
       step_bench step-fp8-tensor --configs klein-4b --host diffusers --quantize float8-tensor --floor || rc=1
       step_bench step-fp8-dev --configs dev --host diffusers --quantize float8-row --floor ${FP8_DEV_ARGS:-} || rc=1 ;;
     comfyui-dev)

@@ -26,7 +26,9 @@ Sites (`--op`), the floors' bytes counted for bf16:
   scale (8 bytes an element: read the stream and the update, write the stream and the output);
   DxT:first the block's first norm times its scale (4 bytes), DxT:last its last gated update (6).
 - swiglu, shapes HxT: one feed-forward activation, the [B, T, 2H] projection in (HxT:pair: Z-Image's
-  two [B, T, H] projections), [B, T, H] out; the floor moves 6 bytes an output element.
+  two [B, T, H] projections), [B, T, H] out; the floor moves 6 bytes an output element. HxT:quant
+  writes torchao's per-row float8 of it for the next Linear instead (5 bytes an element), HxT:single
+  that of a single block's [attention | swiglu] row, the [B, T, H/3] attention output read too.
 - gelu_tanh, shapes HxT: one FLUX.1 MLP activation (`gelu(approximate="tanh")`), [B, T, H] in and
   out; the floor moves 4 bytes an element.
 - float8_quant, shapes KxT (KxT:tensor: one scale for the tensor): torchao's float8 quantization of
@@ -92,7 +94,16 @@ DEFAULT_SHAPES = {
     ],
     # Z-Image-Turbo at 1024x1024: its main layers' joint rows (4096 image + 512 caption tokens).
     "sandwich_norm": ["3840x4608", "3840x4608:first", "3840x4608:last"],
-    "swiglu": ["9216x4608", "18432x4608", "9216x512", "18432x4096", "10240x4608:pair"],
+    "swiglu": [
+        "9216x4608",
+        "18432x4608",
+        "9216x512",
+        "18432x4096",
+        "10240x4608:pair",
+        "9216x4096:quant",
+        "9216x4608:single",
+        "18432x4608:single",
+    ],
     # FLUX.1-dev's MLP (3072 x 4): the single block's joint rows, the image rows, the text rows.
     "gelu_tanh": ["12288x4608", "12288x4096", "12288x512"],
     # klein-4B's Linear inputs at 1024x1024: the hidden rows, the MLP's hidden rows (per row and per
@@ -104,7 +115,8 @@ SHAPE_FORMS = {
     "gated_resnorm": "DxT, DxT:token, DxT:update2 or DxT:twin (hidden x tokens, e.g. 6144x4608)",
     "qk_norm_rope": "HxT, HxT:single, HxT:upcast or HxT:qwen (heads x joint tokens, e.g. 24x4608)",
     "sandwich_norm": "DxT, DxT:first or DxT:last (hidden x tokens, e.g. 3840x4608)",
-    "swiglu": "HxT or HxT:pair (hidden x tokens, e.g. 9216x4608; pair: a and b two tensors)",
+    "swiglu": "HxT, HxT:pair, HxT:quant or HxT:single (hidden x tokens, e.g. 9216x4608; pair: a and b two "
+    "tensors; quant: the float8 of it for the next Linear; single: of [attention | swiglu])",
     "gelu_tanh": "HxT (hidden x tokens, e.g. 12288x4608)",
     "float8_quant": "KxT or KxT:tensor (row width x rows, e.g. 3072x4608; tensor: one scale)",
 }
@@ -112,7 +124,7 @@ LAYOUTS = {
     "gated_resnorm": ("", "token", "update2", "twin"),
     "qk_norm_rope": ("", "single", "upcast", "qwen"),
     "sandwich_norm": ("", "first", "last"),
-    "swiglu": ("", "pair"),
+    "swiglu": ("", "pair", "quant", "single"),
     "gelu_tanh": ("",),
     "float8_quant": ("", "tensor"),
 }
@@ -321,8 +333,10 @@ def sandwich_norm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, 
 
 def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout: str = "") -> Case:
     """One feed-forward activation: the [B, T, 2H] projection in (layout ""), or Z-Image's two
-    [B, T, H] projections ("pair"), [B, T, H] out."""
+    [B, T, H] projections ("pair"), [B, T, H] out; "quant" and "single" its quantizing kernel."""
     _check_layout("swiglu", layout)
+    if layout in ("quant", "single"):
+        return _swiglu_quantized_case(hidden, tokens, batch, dtype, layout)
     width = hidden if layout == "pair" else 2 * hidden
 
     def make() -> tuple:
@@ -336,6 +350,31 @@ def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout
     fused = swiglu.swiglu if layout != "pair" else lambda a, b: swiglu.swiglu(a, None, b)
     label = f"swiglu {layout}".strip()
     return Case(sets, swiglu.reference.swiglu, fused, 3 * elements * dtype.itemsize, hidden, label)
+
+
+def _swiglu_quantized_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout: str) -> Case:
+    """swiglu's quantizing kernel: [B, T, 2H] in (after a [B, T, H/3] attention output for "single"),
+    torchao's per-row float8 of the row out; the eager chain is the activation, the cat, then
+    torchao's quantization."""
+    dim = hidden // 3 if layout == "single" else 0
+
+    def make() -> tuple:
+        x = torch.randn(batch, tokens, 2 * hidden, device="cuda", dtype=dtype) * 4
+        return (x, torch.randn(batch, tokens, dim, device="cuda", dtype=dtype) if dim else None)
+
+    def eager(x: torch.Tensor, prefix: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        value = swiglu.reference.swiglu(x)
+        return float8_quant.reference.quantize(value if prefix is None else torch.cat([prefix, value], -1))
+
+    def fused(x: torch.Tensor, prefix: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        out = swiglu.quantized(x, prefix=prefix)
+        if out is None:
+            raise RuntimeError(f"quantizing swiglu declined H={hidden} T={tokens} {layout}")
+        return out
+
+    rows = batch * tokens
+    floor_bytes = rows * (hidden * (2 * dtype.itemsize + 1) + dim * (dtype.itemsize + 1))
+    return Case(_sets(make, floor_bytes), eager, fused, floor_bytes, hidden, f"swiglu {layout}")
 
 
 def gelu_tanh_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
