@@ -196,6 +196,20 @@ def quantized_cases(operands: int) -> dict[str, tuple[tuple[Any, ...], str]]:
     }
 
 
+UNBUILT = "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
+
+
+def assert_quantizing_declines_below_sm_89(
+    guards: Any, op: ModuleType, operands: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The quantizing kernel is built for GPUs with float8 GEMMs only: on an older one its guard
+    declines with `UNBUILT` (and `verify` skips it), before any self-check could launch it."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    x = as_cuda(torch.zeros(2, 5, operands * 8, dtype=torch.bfloat16))
+    assert guards.quantized_reason(x) == UNBUILT
+    assert op.quantized(x) is None
+
+
 def assert_quantized_declines(guards: Any, op: ModuleType, args: tuple, expected: str) -> None:
     """The quantizing form declines (x, prefix, b) with `expected` and its entry point returns None."""
     x, prefix, b = args

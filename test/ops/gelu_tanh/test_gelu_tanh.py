@@ -74,7 +74,6 @@ def test_accepts_flux1_layouts() -> None:
     assert decline_reason(rows_2d, as_cuda(torch.zeros(S, H, dtype=BF16))) is None
 
 
-UNBUILT = "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
 QUANTIZED_CASES = conftest.quantized_cases(1)
 
 
@@ -86,11 +85,7 @@ def test_quantized_decline_reason(name: str) -> None:
 
 @pytest.mark.usefixtures("accept_runtime")
 def test_quantizing_declines_below_sm_89(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its kernel is built for GPUs with float8 GEMMs only: older ones decline it (and verify skips it)."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    x = as_cuda(torch.zeros(2, 5, 1 * 8, dtype=torch.bfloat16))
-    assert guards.rows.quantized_reason(x) == UNBUILT
-    assert gelu_tanh.quantized(x) is None
+    conftest.assert_quantizing_declines_below_sm_89(guards.rows, gelu_tanh, 1, monkeypatch)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -167,5 +162,5 @@ def test_compile_traces_the_operator_cpu() -> None:
 
 
 def test_every_decline_reason_has_a_case() -> None:
-    produced = [reason for _, reason in (*CASES.values(), *QUANTIZED_CASES.values())] + [UNBUILT]
+    produced = [reason for _, reason in (*CASES.values(), *QUANTIZED_CASES.values())] + [conftest.UNBUILT]
     conftest.assert_every_reason_has_a_case(produced, guards, rowwise)

@@ -54,7 +54,6 @@ CASES: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-UNBUILT = "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
 QUANTIZED_CASES = conftest.quantized_cases(2)
 
 
@@ -66,11 +65,7 @@ def test_quantized_decline_reason(name: str) -> None:
 
 @pytest.mark.usefixtures("accept_runtime")
 def test_quantizing_declines_below_sm_89(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its kernel is built for GPUs with float8 GEMMs only: older ones decline it (and verify skips it)."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    x = as_cuda(torch.zeros(2, 5, 2 * 8, dtype=torch.bfloat16))
-    assert guards.rows.quantized_reason(x) == UNBUILT
-    assert swiglu.quantized(x) is None
+    conftest.assert_quantizing_declines_below_sm_89(guards.rows, swiglu, 2, monkeypatch)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -136,5 +131,5 @@ def test_operator_opcheck_and_gradients_cpu(dtype: torch.dtype) -> None:
 
 
 def test_every_decline_reason_has_a_case() -> None:
-    produced = [reason for _, reason in (*CASES.values(), *QUANTIZED_CASES.values())] + [UNBUILT]
+    produced = [reason for _, reason in (*CASES.values(), *QUANTIZED_CASES.values())] + [conftest.UNBUILT]
     conftest.assert_every_reason_has_a_case(produced, guards, rowwise)

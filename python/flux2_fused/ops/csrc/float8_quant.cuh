@@ -5,9 +5,11 @@
 //                                                      product with its float reciprocal, rounded to T
 //   q     = e4m3fn(clamp(RN(float(x) / scale), -448, 448))   IEEE division; clamp keeps NaN; c10's
 //                                                      round-to-nearest-even conversion
-// (docs/numerics.md, 15). kWarpsPerRow warps hold a row in registers (one warp up to K = 3072, more for
-// wider rows, at most 12 vectors of 8 elements a thread), so a block of 8 warps works on 8, 4, 2 or 1
-// rows at once with all of their loads in flight: the amax of the row, then its elements quantized.
+// (docs/numerics.md, 15). kWarpsPerRow warps hold a row in registers, at most kVecs vectors of 8
+// elements a thread (6 for rows up to 12288, which leaves five blocks an SM; 12 up to 24576), so a
+// block of 8 warps works on 8, 4, 2 or 1 rows at once with all of their loads in flight: the amax
+// of the row, then its elements quantized. Rows with a normal scale take the short path (a
+// corrected reciprocal, the hardware's e4m3 conversion); others c10's arithmetic as written.
 // For a whole-tensor scale, a first launch reduces |x| into one word a block (a grid-stride max), and
 // each block of the row launch reduces those words again (the order of a max does not matter): no
 // atomics, and no word to zero before.

@@ -72,18 +72,31 @@ __device__ __forceinline__ float element(F f, const Quad<T> (&in)[kOperands], in
   return f(in[I].get(j)...);
 }
 
+// A block's row: its batch and row within it, and each operand's first element of it.
+template <typename T, int kOperands>
+struct RowOf {
+  int64_t batch, r;
+  const T* in[kOperands];
+  __device__ __forceinline__ RowOf(const Params<T>& p, int64_t row)
+      : batch(row / p.rows_per_batch), r(row - batch * p.rows_per_batch) {
+#pragma unroll
+    for (int i = 0; i < kOperands; ++i) in[i] = of(p.in[i], p.in_batch_stride[i], p.in_row_stride[i]);
+  }
+  // The row's first element in a tensor of these strides.
+  template <typename U>
+  __device__ __forceinline__ U* of(U* base, int64_t batch_stride, int64_t row_stride) const {
+    return base + batch * batch_stride + r * row_stride;
+  }
+};
+
 // The body of a row-wise kernel: this block's row of x, through f (fp32 operands in, the fp32 value
 // before the final rounding out), into its row of out.
 template <typename T, int kOperands, typename F>
 __device__ __forceinline__ void map_row(const Params<T>& p, F f) {
   using Operands = std::make_index_sequence<kOperands>;
-  const int64_t row = blockIdx.x;
-  const int64_t batch = row / p.rows_per_batch;
-  const int64_t r = row - batch * p.rows_per_batch;
-  const T* in_row[kOperands];
-#pragma unroll
-  for (int i = 0; i < kOperands; ++i) in_row[i] = p.in[i] + batch * p.in_batch_stride[i] + r * p.in_row_stride[i];
-  T* out_row = p.out + batch * p.out_batch_stride + r * p.out_row_stride;
+  const RowOf<T, kOperands> at(p, blockIdx.x);
+  const T* const* in_row = at.in;
+  T* out_row = at.of(p.out, p.out_batch_stride, p.out_row_stride);
   const int vectors = p.hidden / 4;
   for (int v0 = threadIdx.x; v0 < vectors; v0 += kThreads * kUnroll) {
     Quad<T> in[kUnroll][kOperands];
@@ -127,12 +140,9 @@ __device__ __forceinline__ void quantize_row(const Params<T>& p, F f) {
   __shared__ unsigned int warp_max[kMaxQuantizingThreads / 32];
   const int threads = blockDim.x;
   const int64_t row = blockIdx.x;
-  const int64_t batch = row / p.rows_per_batch;
-  const int64_t r = row - batch * p.rows_per_batch;
-  const T* in_row[kOperands];
-#pragma unroll
-  for (int i = 0; i < kOperands; ++i) in_row[i] = p.in[i] + batch * p.in_batch_stride[i] + r * p.in_row_stride[i];
-  const T* prefix_row = p.prefix + batch * p.prefix_batch_stride + r * p.prefix_row_stride;
+  const RowOf<T, kOperands> at(p, row);
+  const T* const* in_row = at.in;
+  const T* prefix_row = at.of(p.prefix, p.prefix_batch_stride, p.prefix_row_stride);
   const int prefix_vectors = p.prefix_width / 4;
   const int vectors = prefix_vectors + p.hidden / 4;
   Quad<T> in[kHeld][kOperands];  // a prefix vector, or the operands; then the row's value in [k][0]
