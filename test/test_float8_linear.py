@@ -169,6 +169,21 @@ def test_recipes_torchao_quantizes_otherwise_run_the_module(recipe: dict) -> Non
     assert float8_linear.linear(module, _x(2, 7, 64)) is None
 
 
+def test_recipes_torchao_would_compute_otherwise_are_its_own_call() -> None:
+    """PerRow over another dim than the last (torchao scales the activation across tokens then), the
+    EMULATED preference (torchao's GEMM refuses it) and a weight whose preference is not its
+    recipe's (torchao picks the GEMM by the weight's): torchao's own call, and no quantized input."""
+    across_tokens = _linear()
+    across_tokens.weight.act_quant_kwargs.granularity = granularity_module.PerRow(1)
+    emulated = _linear(kernel_preference=float8.KernelPreference.EMULATED)
+    mismatched = _linear(kernel_preference=float8.KernelPreference.TORCH)
+    mismatched.weight.kernel_preference = float8.KernelPreference.AUTO
+    for module in (across_tokens, emulated, mismatched):
+        assert float8_linear.linear(module, _x(2, 7, 64)) is None
+        assert HOST.float8_input(module) is None
+    assert HOST.float8_input(_linear(kernel_preference=float8.KernelPreference.TORCH)) == "row"
+
+
 def test_mslk_installed_with_auto_preference_runs_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
     """With mslk installed torchao quantizes PerRow activations with mslk's Triton kernel (other
     arithmetic): the module's own call. PerTensor stays on torchao's torch path."""

@@ -95,14 +95,20 @@ def _recipe(weight: Any) -> tuple[str, Any] | None:
     if kwargs.hp_value_lb is not None or kwargs.hp_value_ub is not None:
         return None
     granularity = kwargs.granularity
-    if type(granularity) is PerRow and granularity.dim in (-1, len(weight.shape) - 1):
+    # PerRow over the last dim only: torchao applies the granularity to the activation, so another
+    # dim (PerRow(1) on a [B, S, K] input) scales across tokens, not rows
+    if type(granularity) is PerRow and granularity.dim == -1:
         kind = "row"
     elif type(granularity) is PerTensor:
         kind = "tensor"
     else:
         return None
+    # torchao quantizes the input by the recipe's preference and picks the GEMM by the weight's: both
+    # must be one that takes the torch path (not MSLK, not EMULATED, which its GEMM refuses)
     preference = kwargs.kernel_preference
-    if preference == KernelPreference.MSLK:
+    if preference not in (KernelPreference.TORCH, KernelPreference.AUTO):
+        return None
+    if weight.kernel_preference != preference:
         return None
     if preference == KernelPreference.AUTO and kind == "row" and _installed(_is_mslk_available):
         return None  # torchao quantizes with mslk's Triton kernel there: other arithmetic
