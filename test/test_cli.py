@@ -24,21 +24,13 @@ import torch
 
 from flux2_fused.bench import denoise, options, plot
 from flux2_fused.bench.classify import kernel_class
-from flux2_fused.bench.report import (
-    INACTIVE,
-    MODES,
-    SITES,
-    BenchReport,
-    KernelReport,
-    KernelRow,
-    ModeResult,
-    Paired,
-    ParallelResult,
-    PipelineResult,
-    StepResult,
-    Timing,
-    VerifyRow,
-)
+from flux2_fused.bench.results.bench import BenchReport, ModeResult
+from flux2_fused.bench.results.kernel import KernelReport, KernelRow
+from flux2_fused.bench.results.parallel import ParallelResult
+from flux2_fused.bench.results.pipeline import PipelineResult
+from flux2_fused.bench.results.step import StepResult
+from flux2_fused.bench.results.tables import INACTIVE, MODES, SITES, Paired, Timing
+from flux2_fused.bench.results.verify import VerifyRow
 from flux2_fused.cli import PROG, Parser, build_parser, main
 from flux2_fused.models.flux2 import Flux2Config, Flux2Transformer
 from flux2_fused.models.weights import WeightsError

@@ -86,14 +86,14 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
         return subparsers[name]
 
     def fields(report: str) -> str:
-        return f"The --json fields are documented in flux2_fused.bench.report.{report}."
+        return f"The --json fields are documented in flux2_fused.bench.results.{report}."
 
     options.add_bench_arguments(
         add(
             "bench",
             "denoise loop, eager vs fused on one model: step time, launches, kernel time by site, "
             "bit-exactness",
-            fields("BenchReport"),
+            fields("bench.BenchReport"),
         )
     )
     options.add_step_arguments(
@@ -101,7 +101,7 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
             "step",
             "one denoise step (1024x1024, or each of --sizes and --batch), eager vs fused, synchronized "
             "and pipelined (CUDA GPU)",
-            fields("StepResult"),
+            fields("step.StepResult"),
         )
     )
     options.add_pipeline_arguments(
@@ -111,14 +111,14 @@ def build_parser() -> tuple[Parser, dict[str, Parser]]:
             "(klein-4b, klein-9b; CFG), Flux2Pipeline (dev), FluxPipeline (flux1-dev, flux1-schnell), "
             "FLUX.3's modular pipelines Flux3ModularPipeline (flux3-klein; CFG) and "
             "Flux3DistilledModularPipeline (flux3-klein-flow); VAE decode included (CUDA GPU)",
-            fields("PipelineResult"),
+            fields("pipeline.PipelineResult"),
         )
     )
     options.add_kernel_arguments(
         add(
             "kernel",
             "one fused site [B, T, D], eager vs fused kernel, plain and in CUDA graphs (CUDA GPU)",
-            fields("KernelReport"),
+            fields("kernel.KernelReport"),
         )
     )
     add(

@@ -27,15 +27,10 @@ import torch
 
 from .bench import denoise, kernel, parallel, pipeline, plot, step
 from .bench.options import check_output, folder_problem
-from .bench.report import (
-    ParallelResult,
-    VerifyRow,
-    format_parallel_table,
-    format_summary,
-    format_verify,
-    markdown_table,
-    write_json,
-)
+from .bench.results.bench import format_summary
+from .bench.results.parallel import ParallelResult, format_parallel_table
+from .bench.results.tables import markdown_table, write_json
+from .bench.results.verify import VerifyRow, format_verify
 from .errors import BadValue, CommandError, NeedsCuda
 from .models.weights import WeightsError
 from .ops import OPS, jit

@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flux2_fused.bench.denoise import BenchRequest, build_model, euler_step, make_inputs, plan
-from flux2_fused.bench.report import MODES
+from flux2_fused.bench.results.tables import MODES
 from flux2_fused.ops import OPS
 
 from ..ops.test_runtime import stand_in_bundle

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flux2_fused.bench import parallel
-from flux2_fused.bench.report import ParallelResult, format_parallel_table
+from flux2_fused.bench.results.parallel import ParallelResult, format_parallel_table
 from flux2_fused.bench.step import breakdown_of
 from flux2_fused.errors import BadValue
 from flux2_fused.models.flux2 import Flux2Config

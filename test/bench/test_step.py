@@ -12,22 +12,11 @@ import pytest
 
 from flux2_fused.bench import plot
 from flux2_fused.bench.classify import kernel_class
-from flux2_fused.bench.report import (
-    KERNEL_CLASSES,
-    SITES,
-    Breakdown,
-    KernelReport,
-    KernelRow,
-    Paired,
-    PipelineResult,
-    StepResult,
-    Timing,
-    VerifyRow,
-    format_kernel_table,
-    format_pipeline_table,
-    format_step_table,
-    format_verify,
-)
+from flux2_fused.bench.results.kernel import KernelReport, KernelRow, format_kernel_table
+from flux2_fused.bench.results.pipeline import PipelineResult, format_pipeline_table
+from flux2_fused.bench.results.step import StepResult, format_step_table
+from flux2_fused.bench.results.tables import KERNEL_CLASSES, SITES, Breakdown, Paired, Timing
+from flux2_fused.bench.results.verify import VerifyRow, format_verify
 from flux2_fused.bench.step import _pair_order, breakdown_of, busy_pct, shapes
 from flux2_fused.cli import build_parser
 from flux2_fused.ops import FUSED_KERNELS

@@ -1,8 +1,8 @@
 """The class of a profiled kernel (or aten op) by its name: one table for every benchmark.
 
 `flux2-fused step` splits a step's CUDA kernels into GEMM, attention, fused, collective and other
-(`report.KERNEL_CLASSES`), `flux2-fused bench` a denoise step's kernels (on the CPU its aten ops)
-into fused, norm, elementwise and other (`report.SITES`). Both read this one table, each counting
+(`results.tables.KERNEL_CLASSES`), `flux2-fused bench` a denoise step's kernels (on the CPU its aten ops)
+into fused, norm, elementwise and other (`results.tables.SITES`). Both read this one table, each counting
 the classes it does not report as other, so a kernel is never fused in one benchmark and something
 else in the other, and a new op's kernel (`ops.FUSED_KERNELS`) is counted by both at once.
 """

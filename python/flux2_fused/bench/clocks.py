@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from .options import STEP_CONFIGS, add_configs_argument, no_package_model, tool_parser
-from .report import markdown_table
+from .results.tables import markdown_table
 
 # nvidia-smi's clock-event reason bits (nvmlClocksEventReasons).
 REASONS = {

@@ -29,7 +29,7 @@ write their two halves into one buffer where eager calls `cat` (`reading_notes` 
 summary, with the spread of the timed steps). Verdict: the final latents of the two loops are
 bit-exact when `torch.equal` holds and their bytes have the same SHA-256.
 
-The report's figures (and JSON fields) are documented on `report.BenchReport`; the command that
+The report's figures (and JSON fields) are documented on `results.bench.BenchReport`; the command that
 plans, runs, prints and writes them is `flux2_fused.commands.bench_command`.
 """
 
@@ -66,7 +66,8 @@ from .options import (
     check_side,
     require_at_least_one,
 )
-from .report import MODES, SITES, BenchReport, ModeResult
+from .results.bench import BenchReport, ModeResult
+from .results.tables import MODES, SITES
 from .step import tensor_sha256
 from .timing import event_ms
 

@@ -57,7 +57,8 @@ from ..errors import BadValue
 from ..ops import bits_equal, float8_quant, gated_resnorm, gelu_tanh, qk_norm_rope, sandwich_norm, swiglu
 from ..ops.qk_norm_rope.selfcheck import HEAD_DIM, rope_tables
 from .options import require_at_least_one
-from .report import KernelReport, KernelRow, format_kernel_table, write_json
+from .results.kernel import KernelReport, KernelRow, format_kernel_table
+from .results.tables import write_json
 from .timing import copy_bandwidth_gbs, graphed, interleaved_median_us
 
 DEFAULT_SHAPES = {

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from ..errors import BadValue
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from . import hosts
-from .report import Breakdown, ParallelResult
+from .results.parallel import ParallelResult
+from .results.tables import Breakdown
 from .step import kernel_breakdown, tensor_sha256, time_pipelined
 
 DEGREES = ("ulysses", "ring", "tp")

@@ -48,7 +48,8 @@ from ..errors import BadValue
 from ..models.flux2 import Flux2Config
 from . import flux1, flux3, hosts
 from .options import check_side, diffusers_only, require_at_least_one
-from .report import PipelineResult, Timing, format_pipeline_table, write_json
+from .results.pipeline import PipelineResult, format_pipeline_table
+from .results.tables import Timing, write_json
 from .step import kernel_breakdown, tensor_sha256, time_synchronized
 
 

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import CommandError
-from .report import MODES, SITES, BenchReport, StepResult, speedup_text
+from .results.bench import BenchReport
+from .results.step import StepResult
+from .results.tables import MODES, SITES, speedup_text
 
 COLORS = {
     "eager": "tab:gray",

@@ -79,15 +79,8 @@ from . import comfyui, flux1, flux3, hosts, qwenimage, zimage
 from .classify import tally
 from .floor import floor_step
 from .options import PX_PER_TOKEN, check_output, diffusers_only, no_package_model, require_at_least_one
-from .report import (
-    KERNEL_CLASSES,
-    Breakdown,
-    Paired,
-    StepResult,
-    Timing,
-    format_step_table,
-    write_json,
-)
+from .results.step import StepResult, format_step_table
+from .results.tables import KERNEL_CLASSES, Breakdown, Paired, Timing, write_json
 from .timing import event_ms, graphed, pipelined_ms, rotated_order
 
 
@@ -97,7 +90,7 @@ def tensor_sha256(t: torch.Tensor) -> str:
 
 
 def breakdown_of(kernels: Iterable[tuple[str, float]]) -> Breakdown:
-    """Kernel time (ms) and launches by class (report.KERNEL_CLASSES) of (kernel name, duration in
+    """Kernel time (ms) and launches by class (results.tables.KERNEL_CLASSES) of (kernel name, duration in
     us) pairs (`classify.tally`)."""
     kernel_ms, launches = tally(kernels, KERNEL_CLASSES)
     return Breakdown(kernel_ms=kernel_ms, launches=launches)

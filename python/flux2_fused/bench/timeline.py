@@ -37,7 +37,7 @@ from .options import (
     no_package_model,
     tool_parser,
 )
-from .report import markdown_table
+from .results.tables import markdown_table
 
 # Chrome-trace categories: the GPU's work, the CUDA API calls that launch it, the host's operators.
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
