@@ -50,15 +50,15 @@ def test_the_default_kernel_shapes_pass_the_shape_check(op: str) -> None:
         assert size > 0 and tokens > 0 and layout in kernel.LAYOUTS[op]
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every module an `import` or `from ... import` in the file at `path` (a module of PACKAGE) names,
-    relative imports resolved, and for `from X import Y` both X and X.Y (Y may be a module)."""
+def imported_modules(path: Path, package: str = PACKAGE) -> set[str]:
+    """Every module an `import` or `from ... import` in the file at `path` (a module of `package`)
+    names, relative imports resolved, and for `from X import Y` both X and X.Y (Y may be a module)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            parts = PACKAGE.split(".")
+            parts = package.split(".")
             base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
             module = ".".join(part for part in (base, node.module) if part)
             names.add(module)
@@ -70,9 +70,27 @@ def imports_command_line(names: set[str]) -> set[str]:
     return {name for name in names if any(name == m or name.startswith(f"{m}.") for m in COMMAND_LINE)}
 
 
-@pytest.mark.parametrize("path", sorted(BENCH_DIR.glob("*.py")), ids=lambda path: path.name)
+def package_of(path: Path) -> str:
+    """The package a module of the benchmarks (bench/ or a folder below it) belongs to."""
+    return ".".join([PACKAGE, *path.parent.relative_to(BENCH_DIR).parts])
+
+
+BENCH_MODULES = sorted(BENCH_DIR.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", BENCH_MODULES, ids=lambda path: str(path.relative_to(BENCH_DIR)))
 def test_no_benchmark_module_imports_the_command_line(path: Path) -> None:
-    assert not imports_command_line(imported_modules(path))
+    assert not imports_command_line(imported_modules(path, package_of(path)))
+
+
+@pytest.mark.parametrize("path", sorted((BENCH_DIR / "results").glob("*.py")), ids=lambda path: path.name)
+def test_the_results_import_no_torch_and_no_other_part_of_the_package(path: Path) -> None:
+    """What the commands report is plain data and text: printing or plotting a report never imports
+    torch or a model."""
+    names = imported_modules(path, package_of(path))
+    assert not {n for n in names if n == "torch" or n.startswith("torch.")}
+    own = {n for n in names if n.startswith("flux2_fused")}
+    assert all(n.startswith(f"{PACKAGE}.results") for n in own), own
 
 
 @pytest.mark.parametrize(
