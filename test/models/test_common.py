@@ -23,11 +23,11 @@ def _kernel_standin(op, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     the GPU tests prove the kernel writes); returns the calls it took."""
     calls: list[str] = []
 
-    def quantized(x, *, prefix=None, b=None):
-        calls.append("quantized")
+    def quantized(x, *, prefix=None, b=None, granularity="row"):
+        calls.append(f"quantized per {granularity}")
         value = op.reference.swiglu(x, b) if op is swiglu and b is not None else op.apply(x, enabled=False)
         joint = value if prefix is None else torch.cat([prefix, value], dim=-1)
-        return float8_quant.reference.quantize(joint, "row")
+        return float8_quant.reference.quantize(joint, granularity)
 
     monkeypatch.setattr(op, "quantized", quantized)
     return calls
@@ -44,8 +44,9 @@ def _kernel_standin(op, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     ids=["feed-forward", "single block", "two projections", "gelu single block"],
 )
 def test_a_float8_linear_gets_the_kernels_quantization(op, shape, prefix, pair, monkeypatch) -> None:
-    """Per row: the op's quantizing kernel runs, the activation is never computed, and the output is
-    torchao's call on eager's joint row. Per tensor (or fusion off): the activation, then the call."""
+    """Per row and per tensor: the op's quantizing form runs, the activation is never computed, and
+    the output is torchao's call on eager's joint row. With fusion off: the activation, then the
+    call."""
     calls = _kernel_standin(op, monkeypatch)
     x = _x(*shape)
     b = _x(*shape) * 0.5 if pair else None
@@ -54,7 +55,7 @@ def test_a_float8_linear_gets_the_kernels_quantization(op, shape, prefix, pair, 
     joint = value if head is None else torch.cat([head, value], dim=-1)
     for kind, fusion, runs in (
         ("row", Fusion(), 1),
-        ("tensor", Fusion(), 0),
+        ("tensor", Fusion(), 1),
         ("row", Fusion(fused=False), 0),
     ):
         module = _linear(kind)
@@ -62,16 +63,19 @@ def test_a_float8_linear_gets_the_kernels_quantization(op, shape, prefix, pair, 
         with torch.inference_mode():
             got = project_activation(HOST, module, op, fusion, x, prefix=head, b=b)
             assert torch.equal(got, module(joint))
-        assert calls == ["quantized"] * runs
+        assert calls == [f"quantized per {kind}"] * runs
 
 
 def test_a_declining_kernel_or_a_plain_linear_gets_the_activation(monkeypatch: pytest.MonkeyPatch) -> None:
     x, head = _x(2, 5, 96), _x(2, 5, 16)
     joint = torch.cat([head, swiglu.apply(x, enabled=False)], dim=-1)
     with torch.inference_mode():
-        module = _linear("row")
-        assert swiglu.quantized(x, prefix=head) is None  # the CPU: the guards decline
-        assert torch.equal(project_activation(HOST, module, swiglu, Fusion(), x, prefix=head), module(joint))
+        for kind in ("row", "tensor"):
+            module = _linear(kind)
+            assert swiglu.quantized(x, prefix=head, granularity=kind) is None  # the CPU: the guards decline
+            assert torch.equal(
+                project_activation(HOST, module, swiglu, Fusion(), x, prefix=head), module(joint)
+            )
         plain = torch.nn.Linear(64, 48).to(torch.bfloat16)
         assert torch.equal(project_activation(HOST, plain, swiglu, Fusion(), x, prefix=head), plain(joint))
     assert float8_linear.granularity(plain) is None

@@ -104,6 +104,8 @@ DEFAULT_SHAPES = {
         "9216x4096:quant",
         "9216x4608:single",
         "18432x4608:single",
+        "9216x4096:quant-tensor",
+        "9216x4608:single-tensor",
     ],
     # FLUX.1-dev's MLP (3072 x 4): the single block's joint rows, the image rows, the text rows.
     "gelu_tanh": ["12288x4608", "12288x4096", "12288x512"],
@@ -116,8 +118,9 @@ SHAPE_FORMS = {
     "gated_resnorm": "DxT, DxT:token, DxT:update2 or DxT:twin (hidden x tokens, e.g. 6144x4608)",
     "qk_norm_rope": "HxT, HxT:single, HxT:upcast or HxT:qwen (heads x joint tokens, e.g. 24x4608)",
     "sandwich_norm": "DxT, DxT:first or DxT:last (hidden x tokens, e.g. 3840x4608)",
-    "swiglu": "HxT, HxT:pair, HxT:quant or HxT:single (hidden x tokens, e.g. 9216x4608; pair: a and b two "
-    "tensors; quant: the float8 of it for the next Linear; single: of [attention | swiglu])",
+    "swiglu": "HxT, HxT:pair, HxT:quant, HxT:single, HxT:quant-tensor or HxT:single-tensor (hidden x "
+    "tokens, e.g. 9216x4608; pair: a and b two tensors; quant: the float8 of it for the next Linear; "
+    "single: of [attention | swiglu]; -tensor: with one scale for the tensor)",
     "gelu_tanh": "HxT (hidden x tokens, e.g. 12288x4608)",
     "float8_quant": "KxT or KxT:tensor (row width x rows, e.g. 3072x4608; tensor: one scale)",
 }
@@ -125,7 +128,7 @@ LAYOUTS = {
     "gated_resnorm": ("", "token", "update2", "twin"),
     "qk_norm_rope": ("", "single", "upcast", "qwen"),
     "sandwich_norm": ("", "first", "last"),
-    "swiglu": ("", "pair", "quant", "single"),
+    "swiglu": ("", "pair", "quant", "single", "quant-tensor", "single-tensor"),
     "gelu_tanh": ("",),
     "float8_quant": ("", "tensor"),
 }
@@ -336,7 +339,7 @@ def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout
     """One feed-forward activation: the [B, T, 2H] projection in (layout ""), or Z-Image's two
     [B, T, H] projections ("pair"), [B, T, H] out; "quant" and "single" its quantizing kernel."""
     _check_layout("swiglu", layout)
-    if layout in ("quant", "single"):
+    if layout not in ("", "pair"):
         return _swiglu_quantized_case(hidden, tokens, batch, dtype, layout)
     width = hidden if layout == "pair" else 2 * hidden
 
@@ -354,10 +357,13 @@ def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout
 
 
 def _swiglu_quantized_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout: str) -> Case:
-    """swiglu's quantizing kernel: [B, T, 2H] in (after a [B, T, H/3] attention output for "single"),
-    torchao's per-row float8 of the row out; the eager chain is the activation, the cat, then
-    torchao's quantization."""
-    dim = hidden // 3 if layout == "single" else 0
+    """swiglu's quantizing form: [B, T, 2H] in (after a [B, T, H/3] attention output for "single"),
+    torchao's float8 of the row out (a scale a row, or one for the tensor with "-tensor": the joint
+    rows and their words written, then read again, bytes the floor counts); the eager chain is the
+    activation, the cat, then torchao's quantization."""
+    shape, _, kind = layout.partition("-")
+    granularity = kind or "row"
+    dim = hidden // 3 if shape == "single" else 0
 
     def make() -> tuple:
         x = torch.randn(batch, tokens, 2 * hidden, device="cuda", dtype=dtype) * 4
@@ -365,16 +371,19 @@ def _swiglu_quantized_case(hidden: int, tokens: int, batch: int, dtype: torch.dt
 
     def eager(x: torch.Tensor, prefix: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         value = swiglu.reference.swiglu(x)
-        return float8_quant.reference.quantize(value if prefix is None else torch.cat([prefix, value], -1))
+        joint = value if prefix is None else torch.cat([prefix, value], -1)
+        return float8_quant.reference.quantize(joint, granularity)
 
     def fused(x: torch.Tensor, prefix: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        out = swiglu.quantized(x, prefix=prefix)
+        out = swiglu.quantized(x, prefix=prefix, granularity=granularity)
         if out is None:
             raise RuntimeError(f"quantizing swiglu declined H={hidden} T={tokens} {layout}")
         return out
 
     rows = batch * tokens
+    passes = 1 if granularity == "row" else 3  # per tensor the joint rows are also written and read
     floor_bytes = rows * (hidden * (2 * dtype.itemsize + 1) + dim * (dtype.itemsize + 1))
+    floor_bytes += rows * (passes - 1) * (hidden + dim) * dtype.itemsize
     return Case(_sets(make, floor_bytes), eager, fused, floor_bytes, hidden, f"swiglu {layout}")
 
 

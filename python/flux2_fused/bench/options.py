@@ -418,7 +418,9 @@ def add_kernel_arguments(parser: argparse.ArgumentParser) -> None:
         "qk_norm_rope: HxT (heads x joint tokens) for a double block's prologue, e.g. 24x4608, HxT:single "
         "for a single block's, HxT:upcast for FLUX.3's fp32 one, HxT:qwen for Qwen-Image's; sandwich_norm: "
         "DxT for Z-Image's middle sandwich site, DxT:first, DxT:last; swiglu, gelu_tanh: HxT (hidden x "
-        "tokens), swiglu HxT:pair for two projections; float8_quant: KxT (row width x rows), KxT:tensor "
+        "tokens), swiglu HxT:pair for two projections, HxT:quant and HxT:single (after the attention "
+        "output) for its float8, -tensor after either for one scale; float8_quant: KxT (row width x rows), "
+        "KxT:tensor "
         "for one scale (default: the op's headline shapes)",
     )
     parser.add_argument(

@@ -296,19 +296,24 @@ def project_activation(
 ) -> torch.Tensor:
     """`linear(cat([prefix, op(x)], dim=-1))` (op(x, b) for SwiGLU's two-tensor form; no cat without
     a prefix), the activation computed by its row-wise op (`gelu_tanh`, `swiglu`) straight into its
-    place in the joint buffer. Where the host quantizes `linear`'s input per row for torchao's float8
-    GEMM, the op's kernel writes that quantization of the joint row instead, in the same launch
-    (`float8_linear.Quantized`): the activation itself is then never written or read back."""
+    place in the joint buffer. Where the host quantizes `linear`'s input for torchao's float8 GEMM,
+    the op's kernels give that quantization of the joint row instead (`float8_linear.Quantized`):
+    per row in the same launch, the activation itself never written or read back; per tensor the
+    joint rows with their amax words, then one streaming launch (no copy of the prefix, no amax
+    pass)."""
 
     def activation() -> torch.Tensor:
         if prefix is not None:
             return op.concat(prefix, x, enabled=fusion.fused)
         return op.apply(x, enabled=fusion.fused) if b is None else op.apply(x, b=b, enabled=fusion.fused)
 
-    if fusion.fused and host.float8_input(linear) == "row":
-        quantized = op.quantized(x, prefix=prefix) if b is None else op.quantized(x, b=b)
+    granularity = host.float8_input(linear) if fusion.fused else None
+    if granularity is not None:
+        quantized = op.quantized(
+            x, granularity=granularity, **({"prefix": prefix} if b is None else {"b": b})
+        )
         if quantized is not None:
-            return host.linear(linear, float8_linear.Quantized(*quantized, "row", x.dtype, activation))
+            return host.linear(linear, float8_linear.Quantized(*quantized, granularity, x.dtype, activation))
     return host.linear(linear, activation())
 
 

@@ -10,11 +10,14 @@ two-operand op also takes its operands as two tensors of out's shape: x the firs
 kernels (csrc/rowwise.cuh) move 4 elements (8 bytes) at a time, so H is a positive multiple of 4 and
 row and batch strides are multiples of 4 elements.
 
-The quantizing form (`RowOp.quantized`) writes, in place of the activation, what the next torchao
-float8 Linear (per-row scales) would make of it: the row [prefix | op(x)] (a single block's attention
-output beside its activation, or op(x) alone), each value rounded to the dtype as eager's buffer holds
-it, as e4m3fn bytes and a float32 scale a row, torchao's bits (`float8_quant`, docs/numerics.md 15).
-The activation itself is never written.
+The quantizing form (`RowOp.quantized`) gives, in place of the activation, what the next torchao
+float8 Linear would make of it: the row [prefix | op(x)] (a single block's attention output beside
+its activation, or op(x) alone), each value rounded to the dtype as eager's buffer holds it, as
+e4m3fn bytes and float32 scales, torchao's bits (`float8_quant`, docs/numerics.md 15). With a scale
+a row, one kernel writes them and the activation itself is never written. With one scale for the
+tensor, whose amax needs every row first, the joint form writes the joint rows and each row's amax
+word, and `float8_quant` streams them with the scale it reduces from those words: two launches, no
+copy of the prefix and no pass of its own over the rows for the amax.
 
 `RowGuards` words the checks once for every such op; `RowOp` makes the decisions every such op
 makes the same way (`fused`, `apply`, `concat`, `quantized`, the validated call), `define_operator`
@@ -24,14 +27,16 @@ op's package names them and says in its docstrings what it computes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import jit, runtime
+from . import float8_quant, jit, runtime
 from .bits import bits_equal
+from .float8_quant.reference import GRANULARITIES
 from .runtime import FusedOp
 from .verdicts import Guard, Reason, TypeReason, raise_for
 
@@ -39,13 +44,15 @@ from .verdicts import Guard, Reason, TypeReason, raise_for
 @dataclass(frozen=True)
 class Config:
     """What one self-check verdict of a row-wise op covers, with the device and the torch version:
-    its kernel for a dtype, or (`quantized`) its kernel with the quantizing epilogue."""
+    its kernel for a dtype, or its kernel for torchao's float8 scaled per `quantized` ("row": the
+    quantizing epilogue; "tensor": the joint form)."""
 
     dtype: torch.dtype
-    quantized: bool = False
+    quantized: str | None = None
 
     def __str__(self) -> str:
-        return str(self.dtype).removeprefix("torch.") + (" quantized" if self.quantized else "")
+        kind = f" quantized per {self.quantized}" if self.quantized else ""
+        return str(self.dtype).removeprefix("torch.") + kind
 
 
 # The widest joint row the quantizing kernels hold (256 threads x 24 vectors of 4 elements).
@@ -98,10 +105,14 @@ class RowGuards:
         self.into = Guard(("x", "out"), self._metadata_reason, self._runtime_reason)
         self.pair = Guard(("x", "b"), self._pair_reason, self._runtime_reason)
         self.pair_into = Guard(("x", "b", "out"), self._pair_reason, self._runtime_reason)
-        quantized = self._quantized_runtime_reason
-        self.quantized = Guard(("x",), self._quantized_reason, quantized)
-        self.quantized_prefix = Guard(("x", "prefix"), self._quantized_reason, quantized)
-        self.quantized_pair = Guard(("x", "b"), lambda x, b: self._quantized_reason(x, b=b), quantized)
+        # the quantizing form's guards by (granularity, arguments after x)
+        self._quantized: dict[tuple[str, str], Guard] = {}
+        for kind in GRANULARITIES:
+            runtime_reason = functools.partial(self._quantized_runtime_reason, kind)
+            self._quantized[kind, ""] = Guard(("x",), self._quantized_reason, runtime_reason)
+            self._quantized[kind, "prefix"] = Guard(("x", "prefix"), self._quantized_reason, runtime_reason)
+            pair = Guard(("x", "b"), lambda x, b: self._quantized_reason(x, b=b), runtime_reason)
+            self._quantized[kind, "b"] = pair
 
     def width(self, x: torch.Tensor) -> int:
         """H: the width of out's rows for x."""
@@ -163,24 +174,28 @@ class RowGuards:
         """Kill switch, kernel build and the self-check for this (device, dtype)."""
         return runtime.runtime_reason(self.op, x.device, Config(x.dtype))
 
-    def _quantized_runtime_reason(self, x: torch.Tensor, *_: Any) -> Reason:
-        """The same for the kernel with the quantizing epilogue, which is built for sm_89 and newer
-        only (the GPUs with float8 GEMMs)."""
-        config = Config(x.dtype, quantized=True)
+    def _quantized_runtime_reason(self, granularity: str, x: torch.Tensor, *_: Any) -> Reason:
+        """The same for the quantizing form's kernel of `granularity`, which is built for sm_89 and
+        newer only (the GPUs with float8 GEMMs)."""
+        config = Config(x.dtype, quantized=granularity)
         return self.op.unbuilt(x.device, config) or runtime.runtime_reason(self.op, x.device, config)
 
-    def quantized_reason(self, x: Any, prefix: Any = None, b: Any = None) -> Reason:
-        """Why the quantizing kernel declines x (after prefix, or with b), or None when it accepts."""
-        guard, rest = self.quantized_guard(prefix, b)
+    def quantized_reason(self, x: Any, prefix: Any = None, b: Any = None, granularity: str = "row") -> Reason:
+        """Why the quantizing form declines x (after prefix, or with b), or None when it accepts."""
+        guard, rest = self.quantized_guard(prefix, b, granularity)
         return guard.reason(x, *rest)
 
-    def quantized_guard(self, prefix: Any, b: Any) -> tuple[Guard, tuple[Any, ...]]:
+    def quantized_guard(self, prefix: Any, b: Any, granularity: str = "row") -> tuple[Guard, tuple[Any, ...]]:
         """The guard of this quantizing call (a prefix, or b, or neither), and its arguments after x."""
         if prefix is not None and b is not None:
             raise ValueError("the quantizing form takes a prefix or b, not both")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity {granularity!r} is not one of {', '.join(GRANULARITIES)}")
         if prefix is not None:
-            return self.quantized_prefix, (prefix,)
-        return (self.quantized, ()) if b is None else (self.quantized_pair, (b,))
+            return self._quantized[granularity, "prefix"], (prefix,)
+        return (
+            (self._quantized[granularity, ""], ()) if b is None else (self._quantized[granularity, "b"], (b,))
+        )
 
     def _guard(self, out: Any, b: Any) -> tuple[Guard, tuple[Any, ...]]:
         """The guard of this form of call, and its arguments after x."""
@@ -228,6 +243,8 @@ class RowOp:
     operator: Callable[..., torch.Tensor]
     # launch_quantized(x, prefix, b) -> (q, scale): the kernel with the quantizing epilogue
     launch_quantized: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # launch_joint(x, prefix, b) -> (joint rows, their amax words): the joint form
+    launch_joint: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
     def fused(
         self, x: torch.Tensor, out: torch.Tensor | None = None, b: torch.Tensor | None = None
@@ -273,18 +290,26 @@ class RowOp:
         return joint
 
     def quantized(
-        self, x: torch.Tensor, *, prefix: torch.Tensor | None = None, b: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        *,
+        prefix: torch.Tensor | None = None,
+        b: torch.Tensor | None = None,
+        granularity: str = "row",
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(q, scale): the row [prefix | op(x)] (op(x, b)) as torchao's per-row float8, the bytes
-        [..., P + H] and a float32 scale [..., 1] a row, from one launch; None where the guards
-        decline or under a torch.compile trace (the caller then computes the activation, and the
-        Linear quantizes it)."""
+        """(q, scale): the row [prefix | op(x)] (op(x, b)) as torchao's float8, the bytes [..., P + H]
+        and float32 scales per `granularity` ([..., 1] a row from one launch, or all ones for the
+        tensor from the joint form and `float8_quant`); None where the guards decline or under a
+        torch.compile trace (the caller then computes the activation, and the Linear quantizes it)."""
         if torch.compiler.is_compiling():
             return None
-        guard, rest = self.guards.quantized_guard(prefix, b)
+        guard, rest = self.guards.quantized_guard(prefix, b, granularity)
         if not guard(x, *rest):
             return None
-        return self.launch_quantized(x, prefix, b)
+        if granularity == "row":
+            return self.launch_quantized(x, prefix, b)
+        joint, words = self.launch_joint(x, prefix, b)
+        return float8_quant.apply(joint, "tensor", words=words)
 
     def validated(
         self, x: torch.Tensor, out: torch.Tensor | None = None, b: torch.Tensor | None = None
@@ -293,6 +318,14 @@ class RowOp:
         devices) or ValueError (shapes, strides, alignment, overlap) naming the problem."""
         self.guards.validate(x, out, b)
         return self.launch(x, out) if b is None else self.launch(x, out, b)
+
+
+def joint_outputs(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh (joint, words) for the joint form over x's rows: the rows [..., width] in x's dtype,
+    contiguous, and an int32 amax word a row."""
+    rows = x.numel() // x.shape[-1]
+    joint = torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
+    return joint, torch.empty(rows, dtype=torch.int32, device=x.device)
 
 
 def quantized_outputs(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,10 +355,11 @@ def compare(
 def quantizing_cases(
     device: torch.device, dtype: torch.dtype, gen: torch.Generator, operands: int
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
-    """The quantizing kernel's self-check cases (x, prefix, b) for an op of `operands` operands:
+    """The quantizing kernels' self-check cases (x, prefix, b) for an op of `operands` operands:
     random rows with edge rows (zero, tiny, huge values, NaN, +-Inf: each scale's long path), a
     prefix beside strided operand rows, random bit patterns, a joint row wider than the narrow
-    kernel's, and for two operands the two-tensor form."""
+    kernel's, and for two operands the two-tensor form; with one scale for the tensor, the random
+    rows alone too (the edge rows make every element NaN)."""
     from .bits import random_bits
 
     batch, tokens, hidden = 2, 13, 200
@@ -338,6 +372,7 @@ def quantizing_cases(
     prefix = (torch.randn(batch, tokens, 3 * hidden, generator=gen, device=device) * 2).to(dtype)
     long_row = torch.randn(1, 3, operands * 13000, generator=gen, device=device).to(dtype)
     cases = {
+        "random rows": (x[1:], None, None),
         "random and edge rows": (x, None, None),
         "a prefix beside strided rows": (wide[..., 3 * hidden :], prefix, None),
         "random bit patterns after a prefix": (
@@ -356,22 +391,32 @@ def compare_quantized(
     device: torch.device,
     cases: Mapping[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
     launch_quantized: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    launch_joint: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     reference: Callable[..., torch.Tensor],
-    detail: str,
+    config: Config,
 ) -> tuple[bool, str]:
-    """The quantizing kernel's verdict over its cases (name -> (x, prefix or None, b or None)): its
-    bytes and scales against torchao's quantization (`float8_quant.reference`, eager's kernels) of
-    eager's joint row, `cat([prefix, reference(x[, b])])`."""
-    from .float8_quant import reference as float8
+    """The verdict of the quantizing form scaled per `config.quantized` over its cases (name -> (x,
+    prefix or None, b or None)): its bytes and scales against torchao's quantization
+    (`float8_quant.reference`, eager's kernels) of eager's joint row, `cat([prefix, reference(x[,
+    b])])`; per tensor, the joint rows and the quantization the fused `float8_quant` makes of them
+    with the joint form's words too."""
     from .float8_quant.selfcheck import same
 
     for name, (x, prefix, b) in cases.items():
         value = reference(x) if b is None else reference(x, b)
         joint = value if prefix is None else torch.cat([prefix, value], dim=-1)
-        if not same(launch_quantized(x, prefix, b), float8.quantize(joint, "row")):
+        expected = float8_quant.reference.quantize(joint, config.quantized)
+        if config.quantized == "row":
+            got = launch_quantized(x, prefix, b)
+        else:
+            rows, words = launch_joint(x, prefix, b)
+            if not bits_equal(rows, joint):
+                return False, f"{name}: joint rows differ from eager"
+            got = float8_quant.launch(rows, "tensor", words)
+        if not same(got, expected):
             return False, f"{name}: differs from eager"
     torch.cuda.synchronize(device)
-    return True, detail
+    return True, f"{len(cases)} quantizing cases {config}, edge rows + random bits"
 
 
 def fused_op(
@@ -379,7 +424,8 @@ def fused_op(
 ) -> FusedOp:
     """A row-wise op's `FusedOp`: one self-check verdict per (device, dtype) for each of its kernels;
     `flux2-fused verify` checks bf16 and fp16, plain and quantizing."""
-    configs = tuple(Config(dtype, q) for q in (False, True) for dtype in runtime.SUPPORTED_DTYPES)
+    kinds = (None, *GRANULARITIES)
+    configs = tuple(Config(dtype, kind) for kind in kinds for dtype in runtime.SUPPORTED_DTYPES)
     return FusedOp(name=name, spec=spec, self_check=self_check, verify_configs=configs, unbuilt=unbuilt)
 
 

@@ -324,8 +324,8 @@ def test_torchao_dynamic_quantization_stays_fully_fused(
 ) -> None:
     """Dynamically quantized activations and weights (torchao): every elementwise site around the
     quantized linears fuses, the block code's float8 linears get their inputs from `float8_quant`
-    or, per row, from the activation's own kernel (int8 linears run as modules), and the output is
-    the quantized model's alone."""
+    or from the activation's own kernel (per row its quantizing epilogue, per tensor its joint form;
+    int8 linears run as modules), and the output is the quantized model's alone."""
     quantization = pytest.importorskip("torchao.quantization")
     if config_name.startswith("Float8") and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs sm_89 or newer")
@@ -342,9 +342,12 @@ def test_torchao_dynamic_quantization_stays_fully_fused(
         model(**inputs)
         quantized = fused_launches(lambda: model(**inputs), (float8_quant.KERNEL,))
         epilogues = fused_launches(lambda: model(**inputs), ("_kernel_quantized",))
+        joints = fused_launches(lambda: model(**inputs), ("_kernel_joint",))
     assert (quantized > 0) == config_name.startswith("Float8")
-    # per row, the activations before the output projections come quantized from their op's kernel
+    # the activations before the output projections come quantized from their op's kernel per row,
+    # and per tensor as joint rows with their amax words from it
     assert (epilogues > 0) == (granularity == "PerRow")
+    assert (joints > 0) == (granularity == "PerTensor")
 
 
 @pytest.mark.parametrize("granularity", ["PerRow", "PerTensor"])

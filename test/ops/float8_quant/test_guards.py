@@ -31,8 +31,25 @@ CASES: dict[str, tuple[tuple[Any, ...], str]] = {
     "x in fp32": ((_rows(dtype=torch.float32),), "dtype torch.float32 is not supported (bfloat16, float16)"),
     "no rows": ((as_cuda(torch.zeros(0, K, dtype=BF16)),), "x (0, 64) has no rows"),
     "x strided": ((as_cuda(torch.zeros(2, 9, 2 * K, dtype=BF16)[..., :K]),), "x is not contiguous"),
-    "K not a multiple of 8": ((_rows(60),), "K=60 is not a multiple of 8 up to 24576"),
-    "K too wide for a block": ((_rows(24584),), "K=24584 is not a multiple of 8 up to 24576"),
+    "K not a multiple of 8": ((_rows(60), "tensor"), "K=60 is not a multiple of 8"),
+    "K too wide for a block": ((_rows(24584),), "K=24584 is more than 24576, the widest row a block holds"),
+    "words with a scale a row": (
+        (_rows(), "row", as_cuda(torch.zeros(18, dtype=torch.int32))),
+        "amax words are a whole-tensor scale's",
+    ),
+    "words not a tensor": ((_rows(), "tensor", [0] * 18), "words is not a tensor"),
+    "words in int64": (
+        (_rows(), "tensor", as_cuda(torch.zeros(18, dtype=torch.int64))),
+        "words are torch.int64 on cuda:0, need int32 on cuda:0",
+    ),
+    "words strided": (
+        (_rows(), "tensor", as_cuda(torch.zeros(36, dtype=torch.int32)[::2])),
+        "words (18,) are not one contiguous run of words",
+    ),
+    "no words": (
+        (_rows(), "tensor", as_cuda(torch.zeros(0, dtype=torch.int32))),
+        "words (0,) are not one contiguous run of words",
+    ),
 }
 
 
@@ -42,10 +59,13 @@ def test_decline_reason(name: str) -> None:
     args, expected = CASES[name]
     reason = float8_quant.decline_reason(*args)
     assert reason == expected
+    assert not guards.accepts(*args)
     assert float8_quant.fused(*args) is None
     error = TypeError if isinstance(reason, TypeReason) else ValueError
     with pytest.raises(error, match=f"^{re.escape('flux2-fused: ' + expected)}$"):
         float8_quant.float8_quant(*args)
+    if len(args) == 3:  # the entry point runs the eager chain without them
+        assert float8_quant.apply(*args[:2], words=args[2]) is not None
 
 
 def test_every_decline_reason_has_a_case() -> None:
@@ -59,11 +79,14 @@ def test_accepts_the_activations_of_a_transformer() -> None:
     for args in (
         (_rows(),),
         (_rows(), "tensor"),
+        (_rows(), "tensor", as_cuda(torch.zeros(18, dtype=torch.int32))),
         (as_cuda(torch.randn(9, K).to(BF16)),),
         (_rows(24576),),
+        (_rows(24584), "tensor"),
         (_rows(dtype=torch.float16),),
     ):
         assert float8_quant.decline_reason(*args) is None
+        assert guards.accepts(*args)  # the memoized guard the entry point asks, alike
 
 
 @pytest.mark.usefixtures("accept_runtime")
@@ -96,3 +119,5 @@ def test_the_cpu_runs_the_eager_chain() -> None:
         expected = float8_quant.reference.quantize(x, granularity)
         for enabled in (True, False):
             assert same(float8_quant.apply(x, granularity, enabled=enabled), expected)
+    words = torch.zeros(18, dtype=torch.int32)  # not the amax: the eager chain never reads them
+    assert same(float8_quant.apply(x, "tensor", words=words), float8_quant.reference.quantize(x, "tensor"))

@@ -27,6 +27,23 @@ def test_rows_equal_torchaos_chain(cols, batch, tokens, dtype, granularity, gen)
     assert same(float8_quant(x, granularity), reference.quantize(x, granularity))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("tokens", "cols"), [(4608, 3072), (4608, 12288), (37, 40), (3, 30720)])
+def test_a_tensor_scale_from_the_words_a_kernel_left(tokens, cols, dtype, gen):
+    """Per tensor, the amax words given in place of the first launch: one a row, as the row-wise
+    joint form leaves them, or any other count holding the same max (here one word); K past the
+    widest row a block holds."""
+    x = (torch.randn(2, tokens, cols, generator=gen, device="cuda") * 4).to(dtype)
+    words = x.abs().amax(-1).flatten().view(torch.int16).to(torch.int32)
+    expected = reference.quantize(x, "tensor")
+    assert decline_reason(x, "tensor", words) is None
+    assert same(float8_quant(x, "tensor", words), expected)
+    assert same(float8_quant(x, "tensor", words.max().reshape(1)), expected)
+    x[1, 2, 3] = float("nan")
+    words = x.abs().amax(-1).flatten().view(torch.int16).to(torch.int32) & 0x7FFF
+    assert same(float8_quant(x, "tensor", words), reference.quantize(x, "tensor"))
+
+
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_edge_rows(dtype, granularity, gen):

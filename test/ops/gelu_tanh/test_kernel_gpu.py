@@ -112,13 +112,14 @@ def test_follows_current_stream_and_graph_capture(gen):
     assert_streams_and_graph_capture(lambda: gelu_tanh(x), reference.gelu_tanh(x))
 
 
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("dim", "hidden", "tokens"), [(3072, 12288, 4608), (0, 12288, 4096), (3072, 12288, 3)]
 )
-def test_quantized_rows_equal_torchaos_quantization_of_eager(dim, hidden, tokens, dtype, gen):
+def test_quantized_rows_equal_torchaos_quantization_of_eager(dim, hidden, tokens, dtype, granularity, gen):
     """FLUX.1's single block, [attention | gelu(mlp)], and its feed-forward's gelu alone (dim 0), as
-    torchao's per-row float8 of eager's row; then random bit patterns."""
+    torchao's float8 of eager's row (a scale a row, or the tensor's); then random bit patterns."""
     from flux2_fused.ops import gelu_tanh as op
     from flux2_fused.ops.float8_quant import reference as float8
     from flux2_fused.ops.float8_quant.selfcheck import same
@@ -129,4 +130,5 @@ def test_quantized_rows_equal_torchaos_quantization_of_eager(dim, hidden, tokens
     ):
         prefix = (torch.randn(2, tokens, dim, generator=gen, device="cuda") * 3).to(dtype) if dim else None
         joint = reference.gelu_tanh(x) if prefix is None else torch.cat([prefix, reference.gelu_tanh(x)], -1)
-        assert same(op.quantized(x, prefix=prefix), float8.quantize(joint, "row"))
+        got = op.quantized(x, prefix=prefix, granularity=granularity)
+        assert same(got, float8.quantize(joint, granularity))

@@ -95,35 +95,63 @@ def test_tensors_on_a_device_other_than_the_current_one():
     assert_runs_on_its_tensors_device("swiglu", guards.plain, swiglu, reference.swiglu, x)
 
 
-def _quantized_equals_torchao(x, prefix=None, b=None) -> bool:
-    """The quantizing kernel's (bytes, scales) against torchao's quantization of eager's joint row."""
+def _quantized_equals_torchao(x, prefix=None, b=None, granularity="row") -> bool:
+    """The quantizing form's (bytes, scales) against torchao's quantization of eager's joint row."""
     from flux2_fused.ops import swiglu as op
     from flux2_fused.ops.float8_quant import reference as float8
     from flux2_fused.ops.float8_quant.selfcheck import same
 
     value = reference.swiglu(x) if b is None else reference.swiglu(x, b)
     joint = value if prefix is None else torch.cat([prefix, value], dim=-1)
-    got = op.quantized(x, prefix=prefix, b=b)
-    return got is not None and same(got, float8.quantize(joint, "row"))
+    got = op.quantized(x, prefix=prefix, b=b, granularity=granularity)
+    return got is not None and same(got, float8.quantize(joint, granularity))
 
 
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize(
     ("dim", "hidden", "tokens"),
     [(3072, 9216, 4608), (6144, 18432, 4608), (3072, 9216, 37), (0, 9216, 4096), (0, 18432, 512), (8, 16, 5)],
 )
-def test_quantized_rows_equal_torchaos_quantization_of_eager(dim, hidden, tokens, batch, dtype, gen):
+def test_quantized_rows_equal_torchaos_quantization_of_eager(
+    dim, hidden, tokens, batch, dtype, granularity, gen
+):
     """A single block's [attention | swiglu(mlp)] (FLUX.2 klein's and dev's widths; dim 0: a
-    feed-forward's swiglu alone), the MLP part a strided view of the projection, edge values in it."""
+    feed-forward's swiglu alone), the MLP part a strided view of the projection, edge values in it
+    (with one scale for the tensor their NaN makes every element NaN, so finite rows follow)."""
     x = _rows(batch, tokens, hidden, dtype, gen, extra=3 * max(dim, 8))
     prefix = (torch.randn(batch, tokens, dim, generator=gen, device="cuda") * 3).to(dtype) if dim else None
-    assert _quantized_equals_torchao(x, prefix)
+    assert _quantized_equals_torchao(x, prefix, granularity=granularity)
+    if granularity == "tensor":
+        assert _quantized_equals_torchao(x.nan_to_num(0.0, 0.0, 0.0), prefix, granularity=granularity)
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantized_two_projections_and_random_bits(dtype, granularity, gen):
+    a, b = (random_bits((2, 300, 10240), dtype, gen) for _ in range(2))
+    assert _quantized_equals_torchao(a, b=b, granularity=granularity)
+    x, prefix = random_bits((2, 300, 2 * 9216), dtype, gen), random_bits((2, 300, 3072), dtype, gen)
+    assert _quantized_equals_torchao(x, prefix, granularity=granularity)
+    finite = (torch.randn(2, 300, 10240, generator=gen, device="cuda") * 3).to(dtype)
+    assert _quantized_equals_torchao(finite, b=finite.flip(-1), granularity=granularity)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_quantized_two_projections_and_random_bits(dtype, gen):
-    a, b = (random_bits((2, 300, 10240), dtype, gen) for _ in range(2))
-    assert _quantized_equals_torchao(a, b=b)
-    x, prefix = random_bits((2, 300, 2 * 9216), dtype, gen), random_bits((2, 300, 3072), dtype, gen)
-    assert _quantized_equals_torchao(x, prefix)
+@pytest.mark.parametrize(("dim", "tokens", "batch"), [(3072, 4608, 1), (0, 37, 2), (8, 5, 2)])
+def test_joint_rows_and_their_amax_words(dim, tokens, batch, dtype, gen):
+    """The joint form writes eager's [prefix | swiglu] bit for bit and each row's amax word (its
+    largest magnitude's bits); the tensor's float8 from those words is torchao's."""
+    from flux2_fused.ops.float8_quant import float8_quant
+    from flux2_fused.ops.float8_quant import reference as float8
+    from flux2_fused.ops.float8_quant.selfcheck import same
+    from flux2_fused.ops.swiglu.launch import launch_joint
+
+    x = _rows(batch, tokens, 9216, dtype, gen, extra=24).nan_to_num(0.0, 0.0, 0.0)
+    prefix = (torch.randn(batch, tokens, dim, generator=gen, device="cuda") * 3).to(dtype) if dim else None
+    joint, words = launch_joint(x, prefix)
+    expected = reference.swiglu(x) if prefix is None else torch.cat([prefix, reference.swiglu(x)], dim=-1)
+    assert joint.is_contiguous() and bits_equal(joint, expected)
+    assert torch.equal(words, expected.abs().amax(-1).flatten().view(torch.int16).to(torch.int32))
+    assert same(float8_quant(joint, "tensor", words), float8.quantize(expected, "tensor"))

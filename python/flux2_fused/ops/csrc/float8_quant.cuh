@@ -10,9 +10,10 @@
 // block of 8 warps works on 8, 4, 2 or 1 rows at once with all of their loads in flight: the amax
 // of the row, then its elements quantized. Rows with a normal scale take the short path (a
 // corrected reciprocal, the hardware's e4m3 conversion); others c10's arithmetic as written.
-// For a whole-tensor scale, a first launch reduces |x| into one word a block (a grid-stride max), and
-// each block of the row launch reduces those words again (the order of a max does not matter): no
-// atomics, and no word to zero before.
+// For a whole-tensor scale, |x| is first reduced into words (the first launch's grid-stride max, one
+// word a block, or the words the kernel that wrote x left, one a row: rowwise.cuh's joint rows), and
+// every block of the second launch reduces those words again (the order of a max does not matter: no
+// atomics, no word to zero before), then streams x to q with the one scale.
 //
 // The amax is taken on the magnitude bits of T (sign cleared): they order as |x| does, with every NaN
 // above +Inf, so an integer max is NaN-propagating as aten's amax is.
@@ -31,6 +32,8 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxVecs = 12;  // 8-element vectors a thread holds: K up to 256 x 12 x 8 = 24576
 constexpr int kFewVecs = 6;   // ... for rows up to 256 x 6 x 8 = 12288: fewer registers, more blocks an SM
+constexpr int kStreamVecs = 4;  // vectors a thread of the whole-tensor launch has in flight
+constexpr int kStreamBlocks = 8;  // its blocks an SM (a grid-stride loop over the tensor)
 constexpr float kE4m3Max = 448.0f;
 
 template <typename T>
@@ -41,7 +44,7 @@ struct Params {
   const T* x;                // [rows, K] contiguous
   uint8_t* q;                // [rows, K] e4m3fn bytes
   float* scale;              // [rows] (a row's scale), or [1] (the tensor's)
-  unsigned int* amax;        // the tensor's |x| bits, one word a block of the first launch (null: a scale a row)
+  const unsigned int* amax;  // the tensor's |x| bits reduced into words (the whole-tensor launch)
   int32_t amax_words;        // how many
   int64_t rows;
   int32_t cols;              // K, a multiple of 8
@@ -157,9 +160,9 @@ __device__ __forceinline__ unsigned int packed_max(const Packed<T, kPairs>& v) {
   return max(m & 0xffffu, m >> 16);
 }
 
-// The tensor's amax, a word a block into p.amax: a grid-stride max over 8-element vectors.
+// The tensor's amax, a word a block into words: a grid-stride max over 8-element vectors.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) float8_quant_kernel_amax(const Params<T> p) {
+__global__ void __launch_bounds__(kThreads) float8_quant_kernel_amax(const Params<T> p, unsigned int* words) {
   const int64_t vectors = p.rows * (p.cols / 8);
   unsigned int m = 0;
   for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < vectors; v += int64_t(gridDim.x) * kThreads) {
@@ -167,11 +170,53 @@ __global__ void __launch_bounds__(kThreads) float8_quant_kernel_amax(const Param
     m = max(m, packed_max<T, 4>(*reinterpret_cast<const Oct<T>*>(&raw)));
   }
   m = block_max(m);
-  if (threadIdx.x == 0) p.amax[blockIdx.x] = m;
+  if (threadIdx.x == 0) words[blockIdx.x] = m;
+}
+
+// The whole tensor with one scale: each block reduces the tensor's amax words (after issuing its
+// first loads, so both wait together), then streams its share of x to q, kStreamVecs vectors a
+// thread in flight.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) float8_quant_kernel_tensor(const Params<T> p) {
+  const int64_t vectors = p.rows * (p.cols / 8);
+  const int64_t step = int64_t(kThreads) * kStreamVecs;
+  const uint4* x = reinterpret_cast<const uint4*>(p.x);
+  uint2* q = reinterpret_cast<uint2*>(p.q);
+  Divisor d{};
+  bool scaled = false;  // the same for every thread of the block
+  for (int64_t base = int64_t(blockIdx.x) * step + threadIdx.x; base - threadIdx.x < vectors;
+       base += int64_t(gridDim.x) * step) {
+    Oct<T> v[kStreamVecs];
+#pragma unroll
+    for (int j = 0; j < kStreamVecs; ++j) {
+      const int64_t i = base + j * kThreads;
+      if (i < vectors) {
+        const uint4 raw = __ldcs(x + i);
+        v[j] = *reinterpret_cast<const Oct<T>*>(&raw);
+      }
+    }
+    if (!scaled) {
+      unsigned int m = 0;
+      for (int i = threadIdx.x; i < p.amax_words; i += kThreads) m = max(m, p.amax[i]);
+      const float scale = scale_of<T>(block_max(m));
+      if (blockIdx.x == 0 && threadIdx.x == 0) p.scale[0] = scale;
+      d = divisor_of(scale);
+      scaled = true;
+    }
+#pragma unroll
+    for (int j = 0; j < kStreamVecs; ++j) {
+      const int64_t i = base + j * kThreads;
+      if (i < vectors) {
+        unsigned int bytes[2];
+        quantize_packed<T, 4>(v[j], d, bytes);
+        __stcs(q + i, make_uint2(bytes[0], bytes[1]));
+      }
+    }
+  }
 }
 
 // kWarpsPerRow warps a row, 8 / kWarpsPerRow rows a block, up to kVecs vectors a thread: each row's
-// amax (or the tensor's), its scale, its elements quantized.
+// amax, its scale, its elements quantized.
 template <typename T, int kWarpsPerRow, int kVecs>
 __global__ void __launch_bounds__(kThreads, kVecs == kFewVecs ? 5 : 1) float8_quant_kernel(const Params<T> p) {
   constexpr int kRowThreads = 32 * kWarpsPerRow;
@@ -181,11 +226,6 @@ __global__ void __launch_bounds__(kThreads, kVecs == kFewVecs ? 5 : 1) float8_qu
   const int t = threadIdx.x - group * kRowThreads;  // its thread within the row
   const int64_t row = int64_t(blockIdx.x) * (kWarps / kWarpsPerRow) + group;
   const bool live = row < p.rows;  // a block's last rows may be past the end: no loads, no stores
-  unsigned int tensor_amax = 0;
-  if (p.amax != nullptr) {  // the tensor's words reduced again, by the whole block before any load
-    for (int i = threadIdx.x; i < p.amax_words; i += kThreads) tensor_amax = max(tensor_amax, p.amax[i]);
-    tensor_amax = block_max(tensor_amax);
-  }
   const int vectors = p.cols / 8;
   const uint4* x = reinterpret_cast<const uint4*>(p.x + row * p.cols);
   Oct<T> v[kVecs];
@@ -207,9 +247,8 @@ __global__ void __launch_bounds__(kThreads, kVecs == kFewVecs ? 5 : 1) float8_qu
     for (int w = 0; w < kWarpsPerRow; ++w) m = max(m, warp_max[group * kWarpsPerRow + w]);
   }
   if (!live) return;
-  const unsigned int amax = p.amax != nullptr ? tensor_amax : m;
-  const float scale = scale_of<T>(amax);
-  if (t == 0 && (p.amax == nullptr || row == 0)) p.scale[p.amax == nullptr ? row : 0] = scale;
+  const float scale = scale_of<T>(m);
+  if (t == 0) p.scale[row] = scale;
   const Divisor d = divisor_of(scale);
   uint2* q = reinterpret_cast<uint2*>(p.q + row * p.cols);
 #pragma unroll

@@ -44,7 +44,14 @@ __device__ __forceinline__ float gelu(float x) {
 
 template <typename T>
 __global__ void __launch_bounds__(rowwise::kThreads) gelu_tanh_kernel(const rowwise::Params<T> p) {
-  rowwise::map_row<T, 1>(p, [](float x) { return gelu(x); });
+  rowwise::map_row<T, 1, false>(p, [](float x) { return gelu(x); });
+}
+
+// The same values after a prefix's, the joint row with its amax word (rowwise::map_row's joint form):
+// what a whole-tensor float8 scale is reduced from.
+template <typename T>
+__global__ void __launch_bounds__(rowwise::kThreads) gelu_tanh_kernel_joint(const rowwise::Params<T> p) {
+  rowwise::map_row<T, 1, true>(p, [](float x) { return gelu(x); });
 }
 
 // The same values, the row [prefix | gelu] quantized for the next Linear (rowwise::quantize_row).

@@ -12,6 +12,11 @@
 // ... of the row's H outputs, with up to kUnroll of them in flight. Every input is read once, so the
 // loads are streaming (__ldcs).
 //
+// The joint form (map_row with kJoint) writes the row [prefix | f(x)] into out (the prefix's values
+// copied) and the largest magnitude of its values into one word a row (T's magnitude bits, as
+// float8_quant.cuh orders them): what a whole-tensor float8 scale is reduced from, so the quantizing
+// launch after it needs no pass of its own over the row for it.
+//
 // The quantizing epilogue (`quantize_row`) writes, instead of out, the row that the next Linear reads
 // as torchao's per-row float8 (float8_quant.cuh): the joint row [prefix | f(x)] (a single block's
 // attention output beside its activation, or f(x) alone), each value rounded to T as eager's buffer
@@ -64,6 +69,7 @@ struct Params {
   int32_t prefix_width;
   uint8_t* q;
   float* scale;
+  unsigned int* amax;       // the joint form's word a row
 };
 
 // f of element j of each operand's vector.
@@ -90,20 +96,27 @@ struct RowOf {
 };
 
 // The body of a row-wise kernel: this block's row of x, through f (fp32 operands in, the fp32 value
-// before the final rounding out), into its row of out.
-template <typename T, int kOperands, typename F>
+// before the final rounding out), into its row of out; with kJoint, the prefix's row first and the
+// row's amax word after.
+template <typename T, int kOperands, bool kJoint, typename F>
 __device__ __forceinline__ void map_row(const Params<T>& p, F f) {
   using Operands = std::make_index_sequence<kOperands>;
   const RowOf<T, kOperands> at(p, blockIdx.x);
   const T* const* in_row = at.in;
   T* out_row = at.of(p.out, p.out_batch_stride, p.out_row_stride);
-  const int vectors = p.hidden / 4;
+  const T* prefix_row = kJoint ? at.of(p.prefix, p.prefix_batch_stride, p.prefix_row_stride) : nullptr;
+  const int prefix_vectors = kJoint ? p.prefix_width / 4 : 0;
+  const int vectors = prefix_vectors + p.hidden / 4;
+  unsigned int m = 0;
   for (int v0 = threadIdx.x; v0 < vectors; v0 += kThreads * kUnroll) {
-    Quad<T> in[kUnroll][kOperands];
+    Quad<T> in[kUnroll][kOperands];  // a prefix vector, or the operands
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int v = v0 + u * kThreads;
-      if (v < vectors) {
+      const int v = v0 + u * kThreads - prefix_vectors;  // the operands' vector (< 0: the prefix's)
+      if (kJoint && v < 0) {
+        const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(prefix_row) + v + prefix_vectors);
+        in[u][0] = *reinterpret_cast<const Quad<T>*>(&raw);
+      } else if (v + prefix_vectors < vectors) {
 #pragma unroll
         for (int i = 0; i < kOperands; ++i) {
           const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(in_row[i]) + v);
@@ -113,17 +126,27 @@ __device__ __forceinline__ void map_row(const Params<T>& p, F f) {
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int v = v0 + u * kThreads;
-      if (v < vectors) {
+      const int v = v0 + u * kThreads - prefix_vectors;
+      if (v + prefix_vectors < vectors) {
         Quad<T> o;
+        if (kJoint && v < 0) {
+          o = in[u][0];
+        } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          o.p[h] = Elem<T>::pack(element<T, kOperands>(f, in[u], 2 * h, Operands{}),
-                                 element<T, kOperands>(f, in[u], 2 * h + 1, Operands{}));
+          for (int h = 0; h < 2; ++h) {
+            o.p[h] = Elem<T>::pack(element<T, kOperands>(f, in[u], 2 * h, Operands{}),
+                                   element<T, kOperands>(f, in[u], 2 * h + 1, Operands{}));
+          }
         }
-        reinterpret_cast<uint2*>(out_row)[v] = *reinterpret_cast<const uint2*>(&o);
+        if (kJoint) m = max(m, float8_quant::packed_max<T, 2>(o));
+        reinterpret_cast<uint2*>(out_row)[v + prefix_vectors] = *reinterpret_cast<const uint2*>(&o);
       }
     }
+  }
+  if constexpr (kJoint) {
+    static_assert(kThreads == float8_quant::kThreads, "block_max reduces a block of float8_quant's size");
+    m = float8_quant::block_max(m);
+    if (threadIdx.x == 0) p.amax[blockIdx.x] = m;
   }
 }
 
@@ -226,6 +249,19 @@ void set_operands(Params<T>& p, TensorView x, const Optional<TensorView>& other,
   p.hidden = static_cast<int32_t>(hidden);
 }
 
+// The prefix's rows in p, where given (rows like x's, a multiple of 4 wide).
+template <typename T>
+void set_prefix(Params<T>& p, const Optional<TensorView>& prefix, TensorView x, DLDevice dev, const char* name) {
+  if (!prefix.has_value()) return;
+  const TensorView t = *prefix;
+  TVM_FFI_ICHECK(t.ndim() == x.ndim() && t.dtype() == x.dtype() && t.size(-1) % 4 == 0) << name << ": prefix must be rows like x";
+  for (int d = 0; d + 1 < t.ndim(); ++d) TVM_FFI_ICHECK(t.size(d) == x.size(d)) << "x and prefix rows differ";
+  check_device(t, dev);
+  p.prefix = data<const T>(t);
+  row_layout(t, &p.prefix_batch_stride, &p.prefix_row_stride);
+  p.prefix_width = static_cast<int32_t>(t.size(-1));
+}
+
 // One block of `threads` a row of x on the current stream of dev.
 template <typename T>
 void run(void (*kernel)(Params<T>), const Params<T>& p, TensorView x, DLDevice dev, const char* name,
@@ -272,47 +308,71 @@ void launch_quantized(void (*kernel)(Params<T>), TensorView q, TensorView scale,
   check_device(scale, dev);
   Params<T> p{};
   set_operands(p, x, other, operands, hidden, dev, name);
-  if (prefix.has_value()) {
-    const TensorView t = *prefix;
-    TVM_FFI_ICHECK(t.ndim() == x.ndim() && t.dtype() == x.dtype() && t.size(-1) % 4 == 0) << name << ": prefix must be rows like x";
-    for (int d = 0; d + 1 < t.ndim(); ++d) TVM_FFI_ICHECK(t.size(d) == x.size(d)) << "x and prefix rows differ";
-    check_device(t, dev);
-    p.prefix = data<const T>(t);
-    row_layout(t, &p.prefix_batch_stride, &p.prefix_row_stride);
-    p.prefix_width = static_cast<int32_t>(t.size(-1));
-  }
+  set_prefix(p, prefix, x, dev, name);
   p.q = data<uint8_t>(q);
   p.scale = data<float>(scale);
   run(kernel, p, x, dev, name, width <= int64_t{4} * kThreads * kHeld ? kThreads : kMaxQuantizingThreads);
 }
 
-// The op's entry: out's dtype picks the bf16 or the fp16 kernel.
-inline void dispatch(TensorView out, TensorView x, const Optional<TensorView>& other, int operands,
-                     const char* name, void (*bf16_kernel)(Params<__nv_bfloat16>),
-                     void (*fp16_kernel)(Params<__half>)) {
-  const DLDataType dt = out.dtype();
-  TVM_FFI_ICHECK(x.dtype().code == dt.code && x.dtype().bits == dt.bits) << "x and out dtypes differ";
+// The joint form over x's rows (other as in `launch`), prefix's rows first where given: joint the
+// rows [prefix | f(x)] ([rows, P + H], contiguous), amax their words (at least one a row).
+template <typename T>
+void launch_joint(void (*kernel)(Params<T>), TensorView joint, TensorView amax, const Optional<TensorView>& prefix,
+                  TensorView x, const Optional<TensorView>& other, int operands, const char* name) {
+  const DLDevice dev = joint.device();
+  const int in_x = other.has_value() ? operands - 1 : operands;
+  const int64_t hidden = x.size(-1) / in_x;
+  const int64_t width = hidden + (prefix.has_value() ? (*prefix).size(-1) : 0);
+  const int64_t rows = x.numel() / x.size(-1);
+  TVM_FFI_ICHECK(joint.IsContiguous() && joint.dtype() == x.dtype() && joint.size(-1) == width && joint.numel() == rows * width)
+      << name << ": joint must be the joint rows";
+  TVM_FFI_ICHECK(amax.IsContiguous() && amax.dtype().bits == 32 && amax.numel() >= rows) << name << ": amax must be a word a row";
+  check_device(amax, dev);
+  Params<T> p{};
+  set_operands(p, x, other, operands, hidden, dev, name);
+  set_prefix(p, prefix, x, dev, name);
+  p.out = data<T>(joint);
+  p.out_row_stride = width;
+  p.out_batch_stride = width * x.size(-2);
+  p.amax = data<unsigned int>(amax);
+  run(kernel, p, x, dev, name);
+}
+
+// An entry's launch of the kernel for `dt`: launch(bf16) or launch(fp16), the kernels of each type.
+template <typename Bf16, typename Fp16, typename Launch>
+void for_dtype(DLDataType dt, const char* name, Bf16 bf16, Fp16 fp16, Launch launch) {
   if (dt.code == kDLBfloat && dt.bits == 16) {
-    launch(bf16_kernel, out, x, other, operands, name);
+    launch(bf16);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
-    launch(fp16_kernel, out, x, other, operands, name);
+    launch(fp16);
   } else {
     TVM_FFI_THROW(TypeError) << name << " supports bfloat16 and float16 only";
   }
 }
 
+// The op's entry: out's dtype picks the bf16 or the fp16 kernel.
+template <typename Bf16, typename Fp16>
+void dispatch(TensorView out, TensorView x, const Optional<TensorView>& other, int operands, const char* name,
+              Bf16 bf16, Fp16 fp16) {
+  const DLDataType dt = out.dtype();
+  TVM_FFI_ICHECK(x.dtype().code == dt.code && x.dtype().bits == dt.bits) << "x and out dtypes differ";
+  for_dtype(dt, name, bf16, fp16, [&](auto kernel) { launch(kernel, out, x, other, operands, name); });
+}
+
 // The quantizing entry: x's dtype picks the bf16 or the fp16 kernels.
-inline void dispatch_quantized(TensorView q, TensorView scale, const Optional<TensorView>& prefix, TensorView x,
-                               const Optional<TensorView>& other, int operands, const char* name,
-                               void (*bf16)(Params<__nv_bfloat16>), void (*fp16)(Params<__half>)) {
-  const DLDataType dt = x.dtype();
-  if (dt.code == kDLBfloat && dt.bits == 16) {
-    launch_quantized(bf16, q, scale, prefix, x, other, operands, name);
-  } else if (dt.code == kDLFloat && dt.bits == 16) {
-    launch_quantized(fp16, q, scale, prefix, x, other, operands, name);
-  } else {
-    TVM_FFI_THROW(TypeError) << name << " supports bfloat16 and float16 only";
-  }
+template <typename Bf16, typename Fp16>
+void dispatch_quantized(TensorView q, TensorView scale, const Optional<TensorView>& prefix, TensorView x,
+                        const Optional<TensorView>& other, int operands, const char* name, Bf16 bf16, Fp16 fp16) {
+  for_dtype(x.dtype(), name, bf16, fp16,
+            [&](auto kernel) { launch_quantized(kernel, q, scale, prefix, x, other, operands, name); });
+}
+
+// The joint entry: x's dtype picks the bf16 or the fp16 kernels.
+template <typename Bf16, typename Fp16>
+void dispatch_joint(TensorView joint, TensorView amax, const Optional<TensorView>& prefix, TensorView x,
+                    const Optional<TensorView>& other, int operands, const char* name, Bf16 bf16, Fp16 fp16) {
+  for_dtype(x.dtype(), name, bf16, fp16,
+            [&](auto kernel) { launch_joint(kernel, joint, amax, prefix, x, other, operands, name); });
 }
 
 }  // namespace rowwise

@@ -28,7 +28,14 @@ __device__ __forceinline__ float silu_mul(float a, float b) {
 
 template <typename T>
 __global__ void __launch_bounds__(rowwise::kThreads) swiglu_kernel(const rowwise::Params<T> p) {
-  rowwise::map_row<T, 2>(p, [](float a, float b) { return silu_mul<T>(a, b); });
+  rowwise::map_row<T, 2, false>(p, [](float a, float b) { return silu_mul<T>(a, b); });
+}
+
+// The same values after a prefix's, the joint row with its amax word (rowwise::map_row's joint form):
+// what a whole-tensor float8 scale is reduced from.
+template <typename T>
+__global__ void __launch_bounds__(rowwise::kThreads) swiglu_kernel_joint(const rowwise::Params<T> p) {
+  rowwise::map_row<T, 2, true>(p, [](float a, float b) { return silu_mul<T>(a, b); });
 }
 
 // The same values, the row [prefix | swiglu] quantized for the next Linear (rowwise::quantize_row).

@@ -23,31 +23,32 @@ from .selfcheck import OP, Config, self_check
 Result = tuple[torch.Tensor, torch.Tensor]
 
 
-def fused(x: torch.Tensor, granularity: str = "row") -> Result | None:
-    """(q, scale) from the kernel, or None where the guards decline."""
-    try:
-        if decline_reason(x, granularity) is not None:
-            return None
-    except Exception:  # a guard must never be the reason a generation fails
+def fused(x: torch.Tensor, granularity: str = "row", words: torch.Tensor | None = None) -> Result | None:
+    """(q, scale) from the kernel, or None where the guards decline. `words` (per tensor): x's amax
+    words as the kernel that wrote x left them (a row-wise op's joint form), which skip the launch
+    that would reduce them."""
+    if not guards.accepts(x, granularity, words):
         return None
-    return launch(x, granularity)
+    return launch(x, granularity, words)
 
 
-def apply(x: torch.Tensor, granularity: str = "row", *, enabled: bool = True) -> Result:
+def apply(
+    x: torch.Tensor, granularity: str = "row", *, words: torch.Tensor | None = None, enabled: bool = True
+) -> Result:
     """The site's one decision: `fused` where it accepts (not under a torch.compile trace, not with
     `enabled=False`), else the eager chain: the same bits."""
     if enabled and not torch.compiler.is_compiling():
-        out = fused(x, granularity)
+        out = fused(x, granularity, words)
         if out is not None:
             return out
     return reference.quantize(x, granularity)
 
 
-def float8_quant(x: torch.Tensor, granularity: str = "row") -> Result:
+def float8_quant(x: torch.Tensor, granularity: str = "row", words: torch.Tensor | None = None) -> Result:
     """The kernel, without the self-check. Unsupported inputs raise TypeError (types, dtypes,
-    devices) or ValueError (shapes, layouts, granularity) naming the problem."""
-    raise_for(guards.metadata_reason(x, granularity) or guards.call_reason(["x"], [x], guards.ALIGN))
-    return launch(x, granularity)
+    devices) or ValueError (shapes, layouts, granularity, words) naming the problem."""
+    raise_for(guards.metadata_reason(x, granularity, words) or guards.call_reason(["x"], [x], guards.ALIGN))
+    return launch(x, granularity, words)
 
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import jit
-from ..rowwise import quantized_outputs
+from ..rowwise import joint_outputs, quantized_outputs
 
 SPEC = jit.KernelSpec(
     "gelu_tanh",
@@ -32,3 +32,13 @@ def launch_quantized(
     q, scale = quantized_outputs(x, x.shape[-1] + (0 if prefix is None else prefix.shape[-1]))
     jit.module_for(SPEC, x.device).gelu_tanh_quantized(q.view(torch.uint8), scale, prefix, x)
     return q, scale
+
+
+def launch_joint(
+    x: torch.Tensor, prefix: torch.Tensor | None, b: None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows [prefix | gelu_tanh(x)], fresh and contiguous, and each one's amax word (the joint
+    form, `RowOp.quantized` per tensor)."""
+    joint, words = joint_outputs(x, x.shape[-1] + (0 if prefix is None else prefix.shape[-1]))
+    jit.module_for(SPEC, x.device).gelu_tanh_joint(joint, words, prefix, x)
+    return joint, words

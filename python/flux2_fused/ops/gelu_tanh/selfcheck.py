@@ -19,7 +19,7 @@ import torch
 from ..bits import every_bit_pattern, random_bits
 from ..rowwise import Config, compare, compare_quantized, fused_op, quantizing_cases
 from . import reference
-from .launch import SPEC, launch, launch_quantized
+from .launch import SPEC, launch, launch_joint, launch_quantized
 
 
 def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
@@ -30,8 +30,7 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     gen.manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
     if config.quantized:
         cases = quantizing_cases(device, dtype, gen, operands=1)
-        detail = f"{len(cases)} quantizing cases {dtype}, edge rows + random bits"
-        return compare_quantized(device, cases, launch_quantized, reference.gelu_tanh, detail)
+        return compare_quantized(device, cases, launch_quantized, launch_joint, reference.gelu_tanh, config)
     batch, tokens, hidden = 2, 33, 1000  # 66000 elements: room for every pattern
     every = random_bits((batch, tokens, hidden), dtype, gen)
     patterns = every_bit_pattern(dtype, device)

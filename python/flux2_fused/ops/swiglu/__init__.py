@@ -18,7 +18,7 @@ import torch
 from ..rowwise import RowOp
 from . import guards, reference
 from .guards import SUPPORTED_DTYPES, decline_reason
-from .launch import KERNEL, launch, launch_quantized
+from .launch import KERNEL, launch, launch_joint, launch_quantized
 from .selfcheck import OP, Config, self_check
 
 
@@ -28,7 +28,7 @@ def _operator(x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return library.swiglu(x, b)
 
 
-_ROWS = RowOp(guards.rows, launch, reference.swiglu, _operator, launch_quantized)
+_ROWS = RowOp(guards.rows, launch, reference.swiglu, _operator, launch_quantized, launch_joint)
 
 
 def fused(
@@ -60,12 +60,17 @@ def concat(prefix: torch.Tensor, x: torch.Tensor, *, enabled: bool = True) -> to
 
 
 def quantized(
-    x: torch.Tensor, *, prefix: torch.Tensor | None = None, b: torch.Tensor | None = None
+    x: torch.Tensor,
+    *,
+    prefix: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
+    granularity: str = "row",
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The row [prefix | swiglu(x)] (`swiglu(x, b=b)`) as the next float8 Linear's torchao per-row
-    quantization of it, (e4m3fn bytes, float32 scale a row), from one launch that never writes the
-    activation; None where the guards decline (`RowOp.quantized`)."""
-    return _ROWS.quantized(x, prefix=prefix, b=b)
+    """The row [prefix | swiglu(x)] (`swiglu(x, b=b)`) as the next float8 Linear's torchao
+    quantization of it, (e4m3fn bytes, float32 scales per `granularity`): per row from one launch
+    that never writes the activation, per tensor from the joint rows and their amax words; None
+    where the guards decline (`RowOp.quantized`)."""
+    return _ROWS.quantized(x, prefix=prefix, b=b, granularity=granularity)
 
 
 def swiglu(x: torch.Tensor, out: torch.Tensor | None = None, b: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import jit
-from ..rowwise import quantized_outputs
+from ..rowwise import joint_outputs, quantized_outputs
 
 SPEC = jit.KernelSpec(
     "swiglu",
@@ -33,3 +33,14 @@ def launch_quantized(
     q, scale = quantized_outputs(x, hidden + (0 if prefix is None else prefix.shape[-1]))
     jit.module_for(SPEC, x.device).swiglu_quantized(q.view(torch.uint8), scale, prefix, x, b)
     return q, scale
+
+
+def launch_joint(
+    x: torch.Tensor, prefix: torch.Tensor | None, b: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows [prefix | silu(a) * b], fresh and contiguous, and each one's amax word (the joint
+    form, `RowOp.quantized` per tensor)."""
+    hidden = x.shape[-1] if b is not None else x.shape[-1] // 2
+    joint, words = joint_outputs(x, hidden + (0 if prefix is None else prefix.shape[-1]))
+    jit.module_for(SPEC, x.device).swiglu_joint(joint, words, prefix, x, b)
+    return joint, words

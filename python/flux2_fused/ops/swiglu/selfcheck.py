@@ -16,7 +16,7 @@ import torch
 from ..bits import random_bits
 from ..rowwise import Config, compare, compare_quantized, fused_op, quantizing_cases
 from . import reference
-from .launch import SPEC, launch, launch_quantized
+from .launch import SPEC, launch, launch_joint, launch_quantized
 
 
 def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
@@ -27,8 +27,7 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     gen.manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
     if config.quantized:
         cases = quantizing_cases(device, dtype, gen, operands=2)
-        detail = f"{len(cases)} quantizing cases {dtype}, edge rows + random bits"
-        return compare_quantized(device, cases, launch_quantized, reference.swiglu, detail)
+        return compare_quantized(device, cases, launch_quantized, launch_joint, reference.swiglu, config)
     batch, tokens, hidden = 2, 19, 200
     x = (torch.randn(batch, tokens, 2 * hidden, generator=gen, device=device) * 4).to(dtype)
     x[0, 0] = torch.linspace(-120, 120, 2 * hidden, device=device).to(dtype)  # both saturations
