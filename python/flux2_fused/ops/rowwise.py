@@ -55,7 +55,7 @@ class Config:
         return str(self.dtype).removeprefix("torch.") + kind
 
 
-# The widest joint row the quantizing kernels hold (256 threads x 24 vectors of 4 elements).
+# The widest joint row the quantizing kernel stages in a block's shared memory (48 KB of bf16).
 MAX_QUANTIZED_WIDTH = 24576
 
 

@@ -150,6 +150,14 @@ __device__ __forceinline__ void quantize_packed(const Packed<T, kPairs>& v, cons
   }
 }
 
+// Eight elements quantized by d into q[i] (a streaming store: nothing reads them in this launch).
+template <typename T>
+__device__ __forceinline__ void store_oct(uint2* q, int64_t i, const Oct<T>& v, const Divisor& d) {
+  unsigned int bytes[2];
+  quantize_packed<T, 4>(v, d, bytes);
+  __stcs(q + i, make_uint2(bytes[0], bytes[1]));
+}
+
 // The largest magnitude of a packed group's elements, as T's magnitude bits (`vector_max`).
 template <typename T, int kPairs>
 __device__ __forceinline__ unsigned int packed_max(const Packed<T, kPairs>& v) {
@@ -206,11 +214,7 @@ __global__ void __launch_bounds__(kThreads) float8_quant_kernel_tensor(const Par
 #pragma unroll
     for (int j = 0; j < kStreamVecs; ++j) {
       const int64_t i = base + j * kThreads;
-      if (i < vectors) {
-        unsigned int bytes[2];
-        quantize_packed<T, 4>(v[j], d, bytes);
-        __stcs(q + i, make_uint2(bytes[0], bytes[1]));
-      }
+      if (i < vectors) store_oct(q, i, v[j], d);
     }
   }
 }
@@ -254,11 +258,7 @@ __global__ void __launch_bounds__(kThreads, kVecs == kFewVecs ? 5 : 1) float8_qu
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     const int i = t + j * kRowThreads;
-    if (i < vectors) {
-      unsigned int bytes[2];
-      quantize_packed<T, 4>(v[j], d, bytes);
-      __stcs(q + i, make_uint2(bytes[0], bytes[1]));
-    }
+    if (i < vectors) store_oct(q, i, v[j], d);
   }
 }
 

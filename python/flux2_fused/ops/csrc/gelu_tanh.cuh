@@ -54,12 +54,11 @@ __global__ void __launch_bounds__(rowwise::kThreads) gelu_tanh_kernel_joint(cons
   rowwise::map_row<T, 1, true>(p, [](float x) { return gelu(x); });
 }
 
-// The same values, the row [prefix | gelu] quantized for the next Linear (rowwise::quantize_row).
-// Two blocks an SM at most 64 registers a thread (a few spilled): at 512 threads a row (FLUX.2 dev's
-// 24576-wide single-block rows) two rows in flight an SM run 1.3x faster than one.
+// The same values, the row [prefix | gelu] quantized for the next Linear (rowwise::quantize_row),
+// the row staged in shared memory.
 template <typename T>
-__global__ void __launch_bounds__(rowwise::kMaxQuantizingThreads, 2) gelu_tanh_kernel_quantized(const rowwise::Params<T> p) {
-  rowwise::quantize_row<T, 1, rowwise::kHeld>(p, [](float x) { return gelu(x); });
+__global__ void __launch_bounds__(rowwise::kThreads) gelu_tanh_kernel_quantized(const rowwise::Params<T> p) {
+  rowwise::quantize_row<T, 1>(p, [](float x) { return gelu(x); });
 }
 
 }  // namespace gelu_tanh

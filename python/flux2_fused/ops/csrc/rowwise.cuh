@@ -20,8 +20,8 @@
 // The quantizing epilogue (`quantize_row`) writes, instead of out, the row that the next Linear reads
 // as torchao's per-row float8 (float8_quant.cuh): the joint row [prefix | f(x)] (a single block's
 // attention output beside its activation, or f(x) alone), each value rounded to T as eager's buffer
-// holds it, then its amax over the row, the scale and the e4m3fn bytes. A thread holds its kHeld
-// vectors of the joint row (t, t + 256, ...) in registers between the amax and the bytes. The Python layer (flux2_fused/ops/rowwise.py) validates every input
+// holds it, then its amax over the row, the scale and the e4m3fn bytes. The row's values are staged
+// in shared memory between the amax and the bytes (48 KB for a 24576-wide bf16 row: four rows an SM). The Python layer (flux2_fused/ops/rowwise.py) validates every input
 // and decides when a kernel may run; the host checks here only stop a misuse from touching the
 // wrong memory.
 #pragma once
@@ -46,8 +46,7 @@ namespace rowwise {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 constexpr int kMaxOperands = 2;
-constexpr int kMaxQuantizingThreads = 512;
-constexpr int kHeld = 12;  // vectors a thread of the quantizing kernel holds
+constexpr int kMaxQuantizedWidth = 24576;  // the widest joint row the quantizing kernel stages
 
 template <typename T>
 using Quad = Packed<T, 2>;  // four elements, 8 bytes
@@ -95,15 +94,14 @@ struct RowOf {
   }
 };
 
-// The body of a row-wise kernel: this block's row of x, through f (fp32 operands in, the fp32 value
-// before the final rounding out), into its row of out; with kJoint, the prefix's row first and the
-// row's amax word after.
+// This block's row of x through f (fp32 operands in, the fp32 value before the final rounding out),
+// each value rounded to T, into out_row (global or shared memory); with kJoint, the prefix's row
+// first, and the largest magnitude bits of the row's values returned (every thread gets them).
 template <typename T, int kOperands, bool kJoint, typename F>
-__device__ __forceinline__ void map_row(const Params<T>& p, F f) {
+__device__ __forceinline__ unsigned int map_row_to(const Params<T>& p, F f, T* out_row) {
   using Operands = std::make_index_sequence<kOperands>;
   const RowOf<T, kOperands> at(p, blockIdx.x);
   const T* const* in_row = at.in;
-  T* out_row = at.of(p.out, p.out_batch_stride, p.out_row_stride);
   const T* prefix_row = kJoint ? at.of(p.prefix, p.prefix_batch_stride, p.prefix_row_stride) : nullptr;
   const int prefix_vectors = kJoint ? p.prefix_width / 4 : 0;
   const int vectors = prefix_vectors + p.hidden / 4;
@@ -146,75 +144,40 @@ __device__ __forceinline__ void map_row(const Params<T>& p, F f) {
   if constexpr (kJoint) {
     static_assert(kThreads == float8_quant::kThreads, "block_max reduces a block of float8_quant's size");
     m = float8_quant::block_max(m);
-    if (threadIdx.x == 0) p.amax[blockIdx.x] = m;
   }
+  return m;
+}
+
+// The body of a row-wise kernel: this block's row into its row of out; with kJoint, the prefix's row
+// first and the row's amax word after.
+template <typename T, int kOperands, bool kJoint, typename F>
+__device__ __forceinline__ void map_row(const Params<T>& p, F f) {
+  const RowOf<T, kOperands> at(p, blockIdx.x);
+  const unsigned int m = map_row_to<T, kOperands, kJoint>(p, f, at.of(p.out, p.out_batch_stride, p.out_row_stride));
+  if (kJoint && threadIdx.x == 0) p.amax[blockIdx.x] = m;
 }
 
 // The body of a row-wise kernel with the quantizing epilogue: the joint row [prefix | f(x)] of this
-// block, its values rounded to T, as torchao's per-row float8 into q and scale. A block of 256 or 512
-// threads (kMaxQuantizingThreads), kHeld vectors a thread, holds rows up to blockDim.x * kHeld * 4
-// wide.
-template <typename T, int kOperands, int kHeld, typename F>
+// block, its values rounded to T, as torchao's per-row float8 into q and scale. The row's values wait
+// in shared memory (the launch's dynamic shared memory, the row's width in T) between its amax and
+// its bytes, so a thread holds only what it has in flight and several rows share an SM.
+template <typename T, int kOperands, typename F>
 __device__ __forceinline__ void quantize_row(const Params<T>& p, F f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
   __trap();  // float8 GEMMs need sm_89: the guards never launch it on an older GPU, and no code is built
 #else
-  using Operands = std::make_index_sequence<kOperands>;
-  __shared__ unsigned int warp_max[kMaxQuantizingThreads / 32];
-  const int threads = blockDim.x;
+  extern __shared__ uint4 staged[];  // the joint row, in T
+  const unsigned int m = map_row_to<T, kOperands, true>(p, f, reinterpret_cast<T*>(staged));
+  // block_max's barrier has made every thread's values visible
   const int64_t row = blockIdx.x;
-  const RowOf<T, kOperands> at(p, row);
-  const T* const* in_row = at.in;
-  const T* prefix_row = at.of(p.prefix, p.prefix_batch_stride, p.prefix_row_stride);
-  const int prefix_vectors = p.prefix_width / 4;
-  const int vectors = prefix_vectors + p.hidden / 4;
-  Quad<T> in[kHeld][kOperands];  // a prefix vector, or the operands; then the row's value in [k][0]
-#pragma unroll
-  for (int k = 0; k < kHeld; ++k) {  // every load of the row in flight at once
-    const int v = threadIdx.x + k * threads - prefix_vectors;
-    if (v < 0) {
-      const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(prefix_row) + v + prefix_vectors);
-      in[k][0] = *reinterpret_cast<const Quad<T>*>(&raw);
-    } else if (v + prefix_vectors < vectors) {
-#pragma unroll
-      for (int i = 0; i < kOperands; ++i) {
-        const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(in_row[i]) + v);
-        in[k][i] = *reinterpret_cast<const Quad<T>*>(&raw);
-      }
-    }
-  }
-  unsigned int m = 0;
-#pragma unroll
-  for (int k = 0; k < kHeld; ++k) {
-    const int v = threadIdx.x + k * threads - prefix_vectors;
-    if (v >= 0 && v + prefix_vectors < vectors) {
-      Quad<T> o;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        o.p[h] = Elem<T>::pack(element<T, kOperands>(f, in[k], 2 * h, Operands{}),
-                               element<T, kOperands>(f, in[k], 2 * h + 1, Operands{}));
-      }
-      in[k][0] = o;
-    }
-    if (v + prefix_vectors < vectors) m = max(m, float8_quant::packed_max<T, 2>(in[k][0]));
-  }
-  m = __reduce_max_sync(0xffffffffu, m);
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kMaxQuantizingThreads / 32; ++w) m = max(m, w < threads / 32 ? warp_max[w] : 0u);
   const float scale = float8_quant::scale_of<T>(m);
   if (threadIdx.x == 0) p.scale[row] = scale;
   const float8_quant::Divisor d = float8_quant::divisor_of(scale);
-  unsigned int* q_row = reinterpret_cast<unsigned int*>(p.q + row * (int64_t{4} * vectors));
-#pragma unroll
-  for (int k = 0; k < kHeld; ++k) {
-    const int j = threadIdx.x + k * threads;
-    if (j < vectors) {
-      unsigned int bytes[1];
-      float8_quant::quantize_packed<T, 2>(in[k][0], d, bytes);
-      __stcs(q_row + j, bytes[0]);
-    }
+  const int octs = (p.prefix_width + p.hidden) / 8;
+  uint2* q_row = reinterpret_cast<uint2*>(p.q + row * (int64_t{8} * octs));
+  for (int j = threadIdx.x; j < octs; j += kThreads) {
+    const uint4 raw = staged[j];
+    float8_quant::store_oct(q_row, j, *reinterpret_cast<const float8_quant::Oct<T>*>(&raw), d);
   }
 #endif
 }
@@ -265,13 +228,18 @@ void set_prefix(Params<T>& p, const Optional<TensorView>& prefix, TensorView x, 
 // One block of `threads` a row of x on the current stream of dev.
 template <typename T>
 void run(void (*kernel)(Params<T>), const Params<T>& p, TensorView x, DLDevice dev, const char* name,
-         int threads = kThreads) {
+         int shared_bytes = 0) {
   const int64_t rows = (x.ndim() == 3 ? x.size(0) : 1) * x.size(-2);
   if (rows == 0 || p.hidden == 0) return;
   TVM_FFI_ICHECK(rows < (int64_t{1} << 31)) << "too many rows for one launch";
   tvm::ffi::CUDADeviceGuard device_guard(dev.device_id);
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
-  kernel<<<static_cast<unsigned>(rows), threads, 0, stream>>>(p);
+  if (shared_bytes > 32 * 1024) {  // near the default 48 KB with the static part: the kernel opts in
+    const cudaError_t err = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
+    TVM_FFI_ICHECK(err == cudaSuccess) << name << ": " << cudaGetErrorString(err);
+  }
+  kernel<<<static_cast<unsigned>(rows), kThreads, shared_bytes, stream>>>(p);
   const cudaError_t err = cudaGetLastError();
   TVM_FFI_ICHECK(err == cudaSuccess) << name << " launch failed: " << cudaGetErrorString(err);
 }
@@ -291,27 +259,34 @@ void launch(void (*kernel)(Params<T>), TensorView out, TensorView x, const Optio
   run(kernel, p, x, dev, name);
 }
 
+// (H, P + H, rows) of the joint rows [prefix | f(x)] over x's rows (other as in `launch`).
+struct JointShape {
+  int64_t hidden, width, rows;
+};
+inline JointShape joint_shape(TensorView x, const Optional<TensorView>& other, const Optional<TensorView>& prefix,
+                              int operands) {
+  const int64_t hidden = x.size(-1) / (other.has_value() ? operands - 1 : operands);
+  return {hidden, hidden + (prefix.has_value() ? (*prefix).size(-1) : 0), x.numel() / x.size(-1)};
+}
+
 // The quantizing epilogue over x's rows (other as in `launch`), prefix's rows first where given: q
 // the joint rows' e4m3fn bytes ([rows, P + H], contiguous), scale one float a row.
 template <typename T>
 void launch_quantized(void (*kernel)(Params<T>), TensorView q, TensorView scale, const Optional<TensorView>& prefix,
                       TensorView x, const Optional<TensorView>& other, int operands, const char* name) {
   const DLDevice dev = q.device();
-  const int in_x = other.has_value() ? operands - 1 : operands;
-  const int64_t hidden = x.size(-1) / in_x;
-  const int64_t width = hidden + (prefix.has_value() ? (*prefix).size(-1) : 0);
-  const int64_t rows = x.numel() / x.size(-1);
+  const auto [hidden, width, rows] = joint_shape(x, other, prefix, operands);
   TVM_FFI_ICHECK(q.IsContiguous() && q.dtype().bits == 8 && q.numel() == rows * width) << name << ": q must be the joint rows' bytes";
   TVM_FFI_ICHECK(scale.IsContiguous() && scale.dtype().code == kDLFloat && scale.dtype().bits == 32 && scale.numel() == rows)
       << name << ": scale must be one float a row";
-  TVM_FFI_ICHECK(width <= int64_t{4} * kMaxQuantizingThreads * kHeld) << name << ": rows wider than 24576";
+  TVM_FFI_ICHECK(width % 8 == 0 && width <= kMaxQuantizedWidth) << name << ": joint rows must be a multiple of 8 up to 24576 wide";
   check_device(scale, dev);
   Params<T> p{};
   set_operands(p, x, other, operands, hidden, dev, name);
   set_prefix(p, prefix, x, dev, name);
   p.q = data<uint8_t>(q);
   p.scale = data<float>(scale);
-  run(kernel, p, x, dev, name, width <= int64_t{4} * kThreads * kHeld ? kThreads : kMaxQuantizingThreads);
+  run(kernel, p, x, dev, name, static_cast<int>(width * sizeof(T)));
 }
 
 // The joint form over x's rows (other as in `launch`), prefix's rows first where given: joint the
@@ -320,10 +295,7 @@ template <typename T>
 void launch_joint(void (*kernel)(Params<T>), TensorView joint, TensorView amax, const Optional<TensorView>& prefix,
                   TensorView x, const Optional<TensorView>& other, int operands, const char* name) {
   const DLDevice dev = joint.device();
-  const int in_x = other.has_value() ? operands - 1 : operands;
-  const int64_t hidden = x.size(-1) / in_x;
-  const int64_t width = hidden + (prefix.has_value() ? (*prefix).size(-1) : 0);
-  const int64_t rows = x.numel() / x.size(-1);
+  const auto [hidden, width, rows] = joint_shape(x, other, prefix, operands);
   TVM_FFI_ICHECK(joint.IsContiguous() && joint.dtype() == x.dtype() && joint.size(-1) == width && joint.numel() == rows * width)
       << name << ": joint must be the joint rows";
   TVM_FFI_ICHECK(amax.IsContiguous() && amax.dtype().bits == 32 && amax.numel() >= rows) << name << ": amax must be a word a row";

@@ -38,12 +38,11 @@ __global__ void __launch_bounds__(rowwise::kThreads) swiglu_kernel_joint(const r
   rowwise::map_row<T, 2, true>(p, [](float a, float b) { return silu_mul<T>(a, b); });
 }
 
-// The same values, the row [prefix | swiglu] quantized for the next Linear (rowwise::quantize_row).
-// Two blocks an SM at most 64 registers a thread (a few spilled): at 512 threads a row (FLUX.2 dev's
-// 24576-wide single-block rows) two rows in flight an SM run 1.3x faster than one.
+// The same values, the row [prefix | swiglu] quantized for the next Linear (rowwise::quantize_row),
+// the row staged in shared memory.
 template <typename T>
-__global__ void __launch_bounds__(rowwise::kMaxQuantizingThreads, 2) swiglu_kernel_quantized(const rowwise::Params<T> p) {
-  rowwise::quantize_row<T, 2, rowwise::kHeld>(p, [](float a, float b) { return silu_mul<T>(a, b); });
+__global__ void __launch_bounds__(rowwise::kThreads) swiglu_kernel_quantized(const rowwise::Params<T> p) {
+  rowwise::quantize_row<T, 2>(p, [](float a, float b) { return silu_mul<T>(a, b); });
 }
 
 }  // namespace swiglu
