@@ -21,9 +21,10 @@
 // as torchao's per-row float8 (float8_quant.cuh): the joint row [prefix | f(x)] (a single block's
 // attention output beside its activation, or f(x) alone), each value rounded to T as eager's buffer
 // holds it, then its amax over the row, the scale and the e4m3fn bytes. The row's values are staged
-// in shared memory between the amax and the bytes (48 KB for a 24576-wide bf16 row: four rows an SM). The Python layer (flux2_fused/ops/rowwise.py) validates every input
-// and decides when a kernel may run; the host checks here only stop a misuse from touching the
-// wrong memory.
+// in shared memory between the amax and the bytes (48 KB for a 24576-wide bf16 row: four rows an SM).
+//
+// The Python layer (flux2_fused/ops/rowwise.py) validates every input and decides when a kernel may
+// run; the host checks here only stop a misuse from touching the wrong memory.
 #pragma once
 
 #include <tvm/ffi/container/tensor.h>
