@@ -26,6 +26,9 @@ from flux2_fused.errors import BadValue
         ("sandwich_norm", "3840x4608", (3840, 4608, "")),
         ("sandwich_norm", "3840x4608:last", (3840, 4608, "last")),
         ("swiglu", "10240x4608:pair", (10240, 4608, "pair")),
+        ("swiglu", "9216x4608:single", (9216, 4608, "single")),
+        ("swiglu", "9216x4096:quant-tensor", (9216, 4096, "quant-tensor")),
+        ("swiglu", "9216x4608:single-tensor", (9216, 4608, "single-tensor")),
         ("float8_quant", "3072x4608:tensor", (3072, 4608, "tensor")),
     ],
 )
@@ -41,6 +44,7 @@ def test_each_ops_layouts_parse(op: str, item: str, parsed: tuple[int, int, str]
         ("qk_norm_rope", "24x4608:twin"),
         ("qk_norm_rope", "24x4608:token"),
         ("swiglu", "9216x4608:update2"),
+        ("swiglu", "9216x4608:tensor"),
         ("gelu_tanh", "12288x4608:upcast"),
         ("gelu_tanh", "12288x4608:pair"),
         ("sandwich_norm", "3840x4608:twin"),
