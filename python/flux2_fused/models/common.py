@@ -309,9 +309,10 @@ def project_activation(
 
     granularity = host.float8_input(linear) if fusion.fused else None
     if granularity is not None:
-        quantized = op.quantized(
-            x, granularity=granularity, **({"prefix": prefix} if b is None else {"b": b})
-        )
+        if b is None:
+            quantized = op.quantized(x, prefix=prefix, granularity=granularity)
+        else:  # SwiGLU's two-tensor form (gelu_tanh takes no b)
+            quantized = op.quantized(x, b=b, granularity=granularity)
         if quantized is not None:
             return host.linear(linear, float8_linear.Quantized(*quantized, granularity, x.dtype, activation))
     return host.linear(linear, activation())
