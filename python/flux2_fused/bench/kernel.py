@@ -337,7 +337,8 @@ def sandwich_norm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, 
 
 def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout: str = "") -> Case:
     """One feed-forward activation: the [B, T, 2H] projection in (layout ""), or Z-Image's two
-    [B, T, H] projections ("pair"), [B, T, H] out; "quant" and "single" its quantizing kernel."""
+    [B, T, H] projections ("pair"), [B, T, H] out; "quant" and "single" (with "-tensor": one scale for
+    the tensor) its quantizing form."""
     _check_layout("swiglu", layout)
     if layout not in ("", "pair"):
         return _swiglu_quantized_case(hidden, tokens, batch, dtype, layout)
@@ -381,9 +382,9 @@ def _swiglu_quantized_case(hidden: int, tokens: int, batch: int, dtype: torch.dt
         return out
 
     rows = batch * tokens
-    passes = 1 if granularity == "row" else 3  # per tensor the joint rows are also written and read
     floor_bytes = rows * (hidden * (2 * dtype.itemsize + 1) + dim * (dtype.itemsize + 1))
-    floor_bytes += rows * (passes - 1) * (hidden + dim) * dtype.itemsize
+    if granularity == "tensor":  # the joint rows are also written, then read again
+        floor_bytes += 2 * rows * (hidden + dim) * dtype.itemsize
     return Case(_sets(make, floor_bytes), eager, fused, floor_bytes, hidden, f"swiglu {layout}")
 
 
