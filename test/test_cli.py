@@ -989,6 +989,7 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         (["step", "--batch", "1", "0"], None, "--batch must be at least 1, got 0"),
         (["step", "--plot", "scan.svg"], None, "--plot scan.svg: the file name must end in .png"),
         (["step", "--steps", "0"], None, "--steps must be at least 1, got 0"),
+        (["step", "--block", "0"], None, "--block must be at least 1, got 0"),
         (["step", "--host", "diffusers"], "no diffusers", "--host diffusers: diffusers is not installed"),
         (
             ["step", "--host", "diffusers"],
@@ -1070,6 +1071,7 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         "step-batches",
         "step-plot-format",
         "steps",
+        "block",
         "no-diffusers",
         "diffusers-too-new",
         "no-peft",

@@ -83,6 +83,8 @@ def test_blocks_on_the_gpu() -> None:
         (["--blocks", "0"], "--blocks, --steps and --interval-ms must be at least 1"),
         (["--configs", "flux1-dev"], "flux1-dev: FLUX.1 has no model of the package's own; run it with"),
         (["--modes", "eager", "compiled"], "argument --modes: invalid choice: 'compiled'"),
+        (["--quantize", "float8-row"], "--quantize needs --host diffusers"),
+        (["--host", "diffusers", "--quantize", "fp4"], "argument --quantize: invalid choice: 'fp4'"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from flux2_fused.bench.timing import rotated_order
+from flux2_fused.bench.timing import rotated_order, without_lead_ins
 
 
 def test_the_modes_rotate_each_round() -> None:
     """Each round runs every mode once, starting one later than the round before."""
     order = rotated_order(["a", "b", "c"], 4)
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+
+
+def test_blocks_run_each_mode_in_a_row_after_a_lead_in() -> None:
+    """With blocks, each mode runs its lead-in then `block` timed steps, the order still rotating;
+    dropping the lead-ins leaves `block` times a mode a round, in order."""
+    order = rotated_order(["a", "b"], 2, block=2)
+    assert order == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
+    times = {"a": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "b": [7.0, 8.0, 9.0, 10.0, 11.0, 12.0]}
+    assert without_lead_ins(times, 2) == {"a": [2.0, 3.0, 5.0, 6.0], "b": [8.0, 9.0, 11.0, 12.0]}
+    assert without_lead_ins(times, 1) is times

@@ -2,6 +2,7 @@
 
     python -m flux2_fused.bench.clocks [--configs klein-4b] [--host package|diffusers] [--blocks 6]
                                        [--modes eager fused [floor]] [--steps 30]
+                                       [--quantize none|float8-row|float8-tensor|int8]
                                        [--interval-ms 20] [--json FILE]
 
 Why: sustained fused steps take longer than the sum of their kernels measured alone, and an earlier
@@ -32,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from .options import STEP_CONFIGS, add_configs_argument, no_package_model, tool_parser
+from .options import QUANTIZATIONS, STEP_CONFIGS, add_configs_argument, no_package_model, tool_parser
 from .results.tables import markdown_table
 
 # nvidia-smi's clock-event reason bits (nvmlClocksEventReasons).
@@ -214,9 +215,16 @@ class Sampler:
 
 
 def run_blocks(
-    config: str, host: str, blocks: int, steps: int, interval_ms: int, modes: Sequence[str] = DEFAULT_MODES
+    config: str,
+    host: str,
+    blocks: int,
+    steps: int,
+    interval_ms: int,
+    modes: Sequence[str] = DEFAULT_MODES,
+    quantization: str = "none",
 ) -> list[Block]:
-    """The blocks of one config (see the module docstring), `modes` taking turns."""
+    """The blocks of one config (see the module docstring), `modes` taking turns, its blocks' Linears
+    quantized by torchao as `quantization` says (diffusers' host; the floor is then the scaled GEMMs')."""
     import functools
 
     import torch
@@ -225,7 +233,7 @@ def run_blocks(
     from .step import Subject
     from .timing import event_ms
 
-    subject = Subject(config, host, None, "none", "none")
+    subject = Subject(config, host, None, "none", quantization)
     run = subject.runner(subject.inputs(1, 4096, 512, 64))
     steps_of: dict[str, Callable[[], object]] = {
         "eager": functools.partial(run, False),
@@ -270,15 +278,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=30, help="pipelined steps a block (default 30)")
     parser.add_argument("--interval-ms", type=int, default=20, help="nvidia-smi's sampling period")
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="--host diffusers: torchao's quantization of the blocks' Linears, as the step benchmark's",
+    )
     parser.add_argument("--json", help="write the blocks to this file")
     args = parser.parse_args(argv)
     if min(args.blocks, args.steps, args.interval_ms) < 1:
         parser.error("--blocks, --steps and --interval-ms must be at least 1")
     if args.host == "package" and (why := no_package_model(args.configs)) is not None:
         parser.error(f"{why}; run it with --host diffusers")
+    if args.quantize != "none" and args.host != "diffusers":
+        parser.error("--quantize needs --host diffusers")
     results = {}
     for config in args.configs:
-        results[config] = run_blocks(config, args.host, args.blocks, args.steps, args.interval_ms, args.modes)
+        results[config] = run_blocks(
+            config, args.host, args.blocks, args.steps, args.interval_ms, args.modes, args.quantize
+        )
         print(format_blocks(config, results[config]))
     if args.json:
         with open(args.json, "w") as f:

@@ -336,6 +336,16 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         "fused: the step without the host's launch work, its bits compared with eager's",
     )
     parser.add_argument(
+        "--block",
+        type=int,
+        default=1,
+        metavar="N",
+        help="pipelined timing: each mode runs N timed steps in a row after an untimed lead-in step, the "
+        "modes taking turns (default 1: modes alternate every step). At the GPU's power cap a step runs "
+        "at the clock the load before it left, so blocks time each mode at its own settled clock, as a "
+        "denoise loop runs one mode for all its steps",
+    )
+    parser.add_argument(
         "--floor",
         action="store_true",
         help="also the step's GEMM and attention calls alone, replayed from a CUDA graph, pipelined in "

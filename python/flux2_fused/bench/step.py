@@ -81,7 +81,7 @@ from .floor import floor_step
 from .options import PX_PER_TOKEN, check_output, diffusers_only, no_package_model, require_at_least_one
 from .results.step import StepResult, format_step_table
 from .results.tables import KERNEL_CLASSES, Breakdown, Paired, Timing, write_json
-from .timing import event_ms, graphed, pipelined_ms, rotated_order
+from .timing import event_ms, graphed, pipelined_ms, rotated_order, without_lead_ins
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -386,13 +386,15 @@ def bench_size(
     floor: bool = False,
     options: dict[str, Any] | None = None,
     reference_tokens: int = 0,
+    block: int = 1,
 ) -> StepResult:
     """One (batch, size) of a subject: eager and fused interleaved (synchronized, then pipelined,
     in turn with the other modes asked for: torch.compile of the eager forward with `vs_compile`
     "eager", and of the fused one too with "both"; the fused step replayed from a CUDA graph with
     `graph`; its GEMM and attention calls alone with `floor`, `bench.floor`), their kernel
     breakdowns and each mode's GPU busy %; `size` (width, height) pixels gives `img_tokens` their
-    layout."""
+    layout; `block` > 1 times the pipelined modes in blocks of that many steps
+    (`timing.without_lead_ins`)."""
     width_tokens = None if size is None else size[0] // PX_PER_TOKEN
     inputs = subject.inputs(batch, img_tokens, txt_tokens, width_tokens, reference_tokens)
     run = subject.compiled_runner(inputs) if compile_both else subject.runner(inputs)
@@ -421,8 +423,9 @@ def bench_size(
         # Compiled, each mode's runner sets its own mode (the diffusers host's twins need no switch).
         switch = None if compile_both else subject.switch
         synchronized = Timing.of(time_synchronized(run, steps, switch))
-        if len(runs) > 2:
-            times = pipelined_ms(lambda mode: runs[mode](), rotated_order(list(runs), steps))
+        if len(runs) > 2 or block > 1:
+            order = rotated_order(list(runs), steps, block)
+            times = without_lead_ins(pipelined_ms(lambda mode: runs[mode](), order), block)
             pipelined = Timing.of({False: times["eager"], True: times["fused"]})
         else:
             times, pipelined = {}, Timing.of(time_pipelined(run, steps))
@@ -471,6 +474,7 @@ def bench_size(
         floor_ms=median("floor"),
         floor_profile=floor_profile,
         reference_tokens=reference_tokens,
+        block=block,
         **(options or {}),
     )
 
@@ -491,6 +495,7 @@ def check(args: argparse.Namespace) -> None:
             "--img-tokens": args.img_tokens,
             "--text-tokens": args.txt_tokens,
             "--lora": args.lora,
+            "--block": args.block,
         }
     )
     if args.weights is not None:
@@ -564,6 +569,7 @@ def run(args: argparse.Namespace) -> int:
                     floor=args.floor,
                     options=options,
                     reference_tokens=args.reference_tokens,
+                    block=args.block,
                 )
                 results.append(result)
                 torch.cuda.empty_cache()

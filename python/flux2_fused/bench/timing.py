@@ -46,9 +46,25 @@ def interleaved_median_us(
     return [statistics.median(s) for s in samples]
 
 
-def rotated_order(names: Sequence[K], rounds: int) -> list[K]:
-    """Every name once a round, the order rotated by one each round, so drift hits all alike."""
-    return [names[(r + i) % len(names)] for r in range(rounds) for i in range(len(names))]
+def rotated_order(names: Sequence[K], rounds: int, block: int = 1) -> list[K]:
+    """Every name once a round, the order rotated by one each round, so drift hits all alike; with
+    `block` > 1 each name `block` times in a row after a lead-in of its own (`without_lead_ins`
+    drops it from the times)."""
+    runs = block if block == 1 else block + 1
+    rotated = (names[(r + i) % len(names)] for r in range(rounds) for i in range(len(names)))
+    return [name for name in rotated for _ in range(runs)]
+
+
+def without_lead_ins(times: dict[K, list[float]], block: int) -> dict[K, list[float]]:
+    """The times of `pipelined_ms` over a `rotated_order(..., block)`, each block's lead-in dropped.
+
+    Why: at the GPU's power cap the clock a step runs at follows the load before it (an eager step's
+    elementwise kernels leave the clock high for the next one), so a step timed right after another
+    mode's carries that mode's clock; a block's lead-in absorbs it and the timed steps run at the
+    clock their own mode settles at, as a denoise loop runs one mode for all its steps."""
+    if block == 1:
+        return times
+    return {mode: [t for j, t in enumerate(ts) if j % (block + 1)] for mode, ts in times.items()}
 
 
 def pipelined_ms(run: Callable[[K], object], order: Sequence[K]) -> dict[K, list[float]]:

@@ -72,6 +72,8 @@ class StepResult:
     - floor_profile: with --floor, the Breakdown of one such replay (its GEMM and attention kernel
       time should match the fused step's); else null
     - reference_tokens: FLUX.3's reference image tokens a sample (image-to-image), 0 for none
+    - block: pipelined steps a mode runs in a row, each block after an untimed lead-in (--block; 1:
+      the modes alternate every step); the pipelined timings then pair steps * block steps a mode
     """
 
     config: str
@@ -107,6 +109,7 @@ class StepResult:
     floor_ms: float | None = None
     floor_profile: Breakdown | None = None
     reference_tokens: int = 0
+    block: int = 1
 
     @property
     def size_label(self) -> str:
@@ -161,14 +164,16 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
     rows = []
     for r in results:
         sha = r.fused_sha256[:16] if r.bit_exact else f"{r.eager_sha256[:12]} / {r.fused_sha256[:12]}"
-        for label, t in (("synchronized", r.synchronized), ("pipelined", r.pipelined)):
-            pipelined = label == "pipelined"
+        blocks = f"pipelined, blocks of {r.block}" if r.block > 1 else "pipelined"
+        for label, t in (("synchronized", r.synchronized), (blocks, r.pipelined)):
+            pipelined = label != "synchronized"
+            pairs = r.steps * r.block if pipelined else r.steps
             compiled = vs_compiled = compiled_fused = graph = floor = "-"
             if pipelined and r.compiled_ms is not None:
                 compiled = f"{r.compiled_ms:.2f} ({speedup_text(100 * (r.compiled_ms / t.fused_ms - 1))})"
             if pipelined and r.compiled_vs_fused is not None:
                 p = r.compiled_vs_fused
-                vs_compiled = f"{gain_text(p.diff_ms, p.ci95_ms)}, {p.fused_won}/{r.steps}"
+                vs_compiled = f"{gain_text(p.diff_ms, p.ci95_ms)}, {p.fused_won}/{pairs}"
             if pipelined and r.compiled_fused_ms is not None and r.compiled_ms is not None:
                 gain = speedup_text(100 * (r.compiled_ms / r.compiled_fused_ms - 1))
                 compiled_fused = f"{r.compiled_fused_ms:.2f} ({gain})"
@@ -195,7 +200,7 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
                     floor,
                     busy or "-",
                     gain_text(t.paired_diff_ms, t.paired_ci95_ms),
-                    f"{t.fused_won}/{r.steps}",
+                    f"{t.fused_won}/{pairs}",
                     f"{r.eager_kernels} -> {r.fused_kernels}",
                     r.fused_kernel_launches,
                     yes_no(r.bit_exact),
