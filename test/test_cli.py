@@ -990,6 +990,7 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         (["step", "--plot", "scan.svg"], None, "--plot scan.svg: the file name must end in .png"),
         (["step", "--steps", "0"], None, "--steps must be at least 1, got 0"),
         (["step", "--block", "0"], None, "--block must be at least 1, got 0"),
+        (["step", "--lead-in", "-1"], None, "--lead-in must be at least 0, got -1"),
         (["step", "--host", "diffusers"], "no diffusers", "--host diffusers: diffusers is not installed"),
         (
             ["step", "--host", "diffusers"],
@@ -1072,6 +1073,7 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
         "step-plot-format",
         "steps",
         "block",
+        "lead-in",
         "no-diffusers",
         "diffusers-too-new",
         "no-peft",

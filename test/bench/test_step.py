@@ -227,8 +227,8 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     )
     assert breakdown.count("GEMM + attention alone") == 1
     # Blocks: the pipelined row says so and counts steps * block pairs.
-    blocked = format_step_table([dataclasses.replace(step, block=3)], "NVIDIA H200", "2.11.0")
-    assert "| 4096+512 | pipelined, blocks of 3 | 11.00 | 10.00 |" in blocked
+    blocked = format_step_table([dataclasses.replace(step, block=3, lead_in=5)], "NVIDIA H200", "2.11.0")
+    assert "| 4096+512 | pipelined, blocks of 3 after 5 | 11.00 | 10.00 |" in blocked
     assert "| +1.00 +- 0.00 | 2/6 |" in blocked and "| +1.00 +- 0.00 | 2/2 |" in blocked
     assert "diffusers' own forward" not in format_step_table([step], "NVIDIA H200", "2.11.0")
     calls = PipelineResult(

@@ -11,11 +11,13 @@ def test_the_modes_rotate_each_round() -> None:
     assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
 
 
-def test_blocks_run_each_mode_in_a_row_after_a_lead_in() -> None:
+def test_blocks_run_each_mode_in_a_row_after_its_lead_in() -> None:
     """With blocks, each mode runs its lead-in then `block` timed steps, the order still rotating;
     dropping the lead-ins leaves `block` times a mode a round, in order."""
-    order = rotated_order(["a", "b"], 2, block=2)
+    order = rotated_order(["a", "b"], 2, block=2, lead_in=1)
     assert order == ["a"] * 3 + ["b"] * 3 + ["b"] * 3 + ["a"] * 3
     times = {"a": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "b": [7.0, 8.0, 9.0, 10.0, 11.0, 12.0]}
-    assert without_lead_ins(times, 2) == {"a": [2.0, 3.0, 5.0, 6.0], "b": [8.0, 9.0, 11.0, 12.0]}
-    assert without_lead_ins(times, 1) is times
+    assert without_lead_ins(times, 2, 1) == {"a": [2.0, 3.0, 5.0, 6.0], "b": [8.0, 9.0, 11.0, 12.0]}
+    assert without_lead_ins({"a": [1.0, 2.0, 3.0, 4.0]}, 1, 3) == {"a": [4.0]}
+    assert without_lead_ins(times, 2, 0) is times
+    assert rotated_order(["a", "b"], 1, block=2) == ["a", "a", "b", "b"]

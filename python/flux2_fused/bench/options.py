@@ -340,10 +340,16 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="pipelined timing: each mode runs N timed steps in a row after an untimed lead-in step, the "
-        "modes taking turns (default 1: modes alternate every step). At the GPU's power cap a step runs "
-        "at the clock the load before it left, so blocks time each mode at its own settled clock, as a "
-        "denoise loop runs one mode for all its steps",
+        help="pipelined timing: each mode runs N timed steps in a row, the modes taking turns (default 1)",
+    )
+    parser.add_argument(
+        "--lead-in",
+        type=int,
+        default=0,
+        metavar="N",
+        help="pipelined timing: N untimed steps of a mode before each of its blocks (default 0). At the "
+        "GPU's power cap a step runs at the clock the seconds of load before it left; a lead-in of a "
+        "few seconds times each mode at its own settled clock, as a denoise loop runs one mode",
     )
     parser.add_argument(
         "--floor",

@@ -387,14 +387,15 @@ def bench_size(
     options: dict[str, Any] | None = None,
     reference_tokens: int = 0,
     block: int = 1,
+    lead_in: int = 0,
 ) -> StepResult:
     """One (batch, size) of a subject: eager and fused interleaved (synchronized, then pipelined,
     in turn with the other modes asked for: torch.compile of the eager forward with `vs_compile`
     "eager", and of the fused one too with "both"; the fused step replayed from a CUDA graph with
     `graph`; its GEMM and attention calls alone with `floor`, `bench.floor`), their kernel
     breakdowns and each mode's GPU busy %; `size` (width, height) pixels gives `img_tokens` their
-    layout; `block` > 1 times the pipelined modes in blocks of that many steps
-    (`timing.without_lead_ins`)."""
+    layout; the pipelined modes run in blocks of `block` timed steps, each after `lead_in` untimed
+    ones (`timing.without_lead_ins`)."""
     width_tokens = None if size is None else size[0] // PX_PER_TOKEN
     inputs = subject.inputs(batch, img_tokens, txt_tokens, width_tokens, reference_tokens)
     run = subject.compiled_runner(inputs) if compile_both else subject.runner(inputs)
@@ -423,9 +424,9 @@ def bench_size(
         # Compiled, each mode's runner sets its own mode (the diffusers host's twins need no switch).
         switch = None if compile_both else subject.switch
         synchronized = Timing.of(time_synchronized(run, steps, switch))
-        if len(runs) > 2 or block > 1:
-            order = rotated_order(list(runs), steps, block)
-            times = without_lead_ins(pipelined_ms(lambda mode: runs[mode](), order), block)
+        if len(runs) > 2 or block > 1 or lead_in > 0:
+            order = rotated_order(list(runs), steps, block, lead_in)
+            times = without_lead_ins(pipelined_ms(lambda mode: runs[mode](), order), block, lead_in)
             pipelined = Timing.of({False: times["eager"], True: times["fused"]})
         else:
             times, pipelined = {}, Timing.of(time_pipelined(run, steps))
@@ -475,6 +476,7 @@ def bench_size(
         floor_profile=floor_profile,
         reference_tokens=reference_tokens,
         block=block,
+        lead_in=lead_in,
         **(options or {}),
     )
 
@@ -498,6 +500,8 @@ def check(args: argparse.Namespace) -> None:
             "--block": args.block,
         }
     )
+    if args.lead_in < 0:
+        raise BadValue(f"--lead-in must be at least 0, got {args.lead_in}")
     if args.weights is not None:
         folder_config(args.weights)  # a folder that is not a FLUX.2 transformer fails here, in one line
     if args.reference_tokens < 0:
@@ -570,6 +574,7 @@ def run(args: argparse.Namespace) -> int:
                     options=options,
                     reference_tokens=args.reference_tokens,
                     block=args.block,
+                    lead_in=args.lead_in,
                 )
                 results.append(result)
                 torch.cuda.empty_cache()

@@ -46,25 +46,26 @@ def interleaved_median_us(
     return [statistics.median(s) for s in samples]
 
 
-def rotated_order(names: Sequence[K], rounds: int, block: int = 1) -> list[K]:
-    """Every name once a round, the order rotated by one each round, so drift hits all alike; with
-    `block` > 1 each name `block` times in a row after a lead-in of its own (`without_lead_ins`
-    drops it from the times)."""
-    runs = block if block == 1 else block + 1
+def rotated_order(names: Sequence[K], rounds: int, block: int = 1, lead_in: int = 0) -> list[K]:
+    """Every name once a round, the order rotated by one each round, so drift hits all alike; each
+    name runs `lead_in` + `block` steps in a row (`without_lead_ins` drops the lead-ins' times)."""
     rotated = (names[(r + i) % len(names)] for r in range(rounds) for i in range(len(names)))
-    return [name for name in rotated for _ in range(runs)]
+    return [name for name in rotated for _ in range(lead_in + block)]
 
 
-def without_lead_ins(times: dict[K, list[float]], block: int) -> dict[K, list[float]]:
-    """The times of `pipelined_ms` over a `rotated_order(..., block)`, each block's lead-in dropped.
+def without_lead_ins(times: dict[K, list[float]], block: int, lead_in: int) -> dict[K, list[float]]:
+    """The times of `pipelined_ms` over a `rotated_order(..., block, lead_in)`, each block's lead-in
+    dropped.
 
-    Why: at the GPU's power cap the clock a step runs at follows the load before it (an eager step's
-    elementwise kernels leave the clock high for the next one), so a step timed right after another
-    mode's carries that mode's clock; a block's lead-in absorbs it and the timed steps run at the
-    clock their own mode settles at, as a denoise loop runs one mode for all its steps."""
-    if block == 1:
+    Why: at the GPU's power cap the clock a step runs at follows the load of the seconds before it
+    (an eager step's elementwise kernels leave the clock high for what follows; GEMMs alone settle
+    it lower than a fused step's mix does), so a step timed right after another mode carries that
+    mode's clock. A lead-in long enough for the clock to settle times each mode at its own steady
+    clock, as a denoise loop runs one mode for all its steps."""
+    if lead_in == 0:
         return times
-    return {mode: [t for j, t in enumerate(ts) if j % (block + 1)] for mode, ts in times.items()}
+    period = lead_in + block
+    return {mode: [t for j, t in enumerate(ts) if j % period >= lead_in] for mode, ts in times.items()}
 
 
 def pipelined_ms(run: Callable[[K], object], order: Sequence[K]) -> dict[K, list[float]]:

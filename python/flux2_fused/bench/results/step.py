@@ -72,8 +72,9 @@ class StepResult:
     - floor_profile: with --floor, the Breakdown of one such replay (its GEMM and attention kernel
       time should match the fused step's); else null
     - reference_tokens: FLUX.3's reference image tokens a sample (image-to-image), 0 for none
-    - block: pipelined steps a mode runs in a row, each block after an untimed lead-in (--block; 1:
-      the modes alternate every step); the pipelined timings then pair steps * block steps a mode
+    - block: pipelined steps a mode runs in a row (--block; 1: the modes alternate every step); the
+      pipelined timings pair steps * block steps a mode
+    - lead_in: untimed steps of a mode before each of its pipelined blocks (--lead-in)
     """
 
     config: str
@@ -110,6 +111,7 @@ class StepResult:
     floor_profile: Breakdown | None = None
     reference_tokens: int = 0
     block: int = 1
+    lead_in: int = 0
 
     @property
     def size_label(self) -> str:
@@ -164,7 +166,8 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
     rows = []
     for r in results:
         sha = r.fused_sha256[:16] if r.bit_exact else f"{r.eager_sha256[:12]} / {r.fused_sha256[:12]}"
-        blocks = f"pipelined, blocks of {r.block}" if r.block > 1 else "pipelined"
+        blocks = "pipelined" + (f", blocks of {r.block}" if r.block > 1 else "")
+        blocks += f" after {r.lead_in}" if r.lead_in else ""
         for label, t in (("synchronized", r.synchronized), (blocks, r.pipelined)):
             pipelined = label != "synchronized"
             pairs = r.steps * r.block if pipelined else r.steps
