@@ -28,9 +28,14 @@ def _granularity(kind: str) -> Any:
 
 def _linear(kind: str = "row", bias: bool = True, seed: int = 0, **kwargs: Any) -> nn.Linear:
     """An nn.Linear quantized as `quantize_(Float8DynamicActivationFloat8WeightConfig(granularity))`
-    leaves it (its `Float8Tensor.from_hp` call, done here directly: `quantize_` needs a GPU)."""
+    leaves it (`to_float8`)."""
     torch.manual_seed(seed)
-    module = nn.Linear(64, 48, bias=bias).to(BF16)
+    return to_float8(nn.Linear(64, 48, bias=bias).to(BF16), kind, **kwargs)
+
+
+def to_float8(module: nn.Linear, kind: str = "row", **kwargs: Any) -> nn.Linear:
+    """`module` with the weight `quantize_(Float8DynamicActivationFloat8WeightConfig(granularity))`
+    gives it (its `Float8Tensor.from_hp` call, done here directly: `quantize_` needs a GPU)."""
     granularity = _granularity(kind)
     preference = kwargs.pop("kernel_preference", float8.KernelPreference.AUTO)
     act = float8.QuantizeTensorToFloat8Kwargs(

@@ -135,20 +135,44 @@ def _segments(norms: list[RMSNormParameters], q: list[Part], k: list[Part]) -> l
     return [[Segment(x, next(weights)) for x, _ in parts] for parts in (q, k)]
 
 
+def qkv_linears(attn: nn.Module, separate: tuple[str, str, str], fused: str) -> tuple[nn.Module, ...]:
+    """The Linears `qkv_projections` calls: the three named `separate`, or where the module's
+    projections are fused (`fused_projections`) the one named `fused`."""
+    if getattr(attn, "fused_projections", False):
+        return (getattr(attn, fused),)
+    return tuple(getattr(attn, name) for name in separate)
+
+
+def float8_rows(host: Host, linears: Iterable[nn.Module]) -> bool:
+    """Whether a norm read by these Linears alone may hand them its out quantized (`Fusion.norm`'s
+    `float8_rows`): there is one at least, and each quantizes its input per row for torchao's float8
+    GEMM where it takes it quantized (`Host.float8_input`)."""
+    found = False
+    for linear in linears:
+        if host.float8_input(linear) != "row":
+            return False
+        found = True
+    return found
+
+
 def qkv_projections(
-    attn: nn.Module, host: Host, x: torch.Tensor, separate: tuple[str, str, str], fused: str
+    attn: nn.Module,
+    host: Host,
+    x: torch.Tensor | float8_linear.Quantized,
+    separate: tuple[str, str, str],
+    fused: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v [B, S, H, head_dim] of rows x: the three Linears named `separate`, or where the module's
-    projections are fused (`fused_projections`) the one named `fused`, its output chunked in three.
-    diffusers' generic `Attention` (Qwen-Image's) has no `head_dim`: its processor divides
-    `inner_dim` by `heads`."""
+    """q, k, v [B, S, H, head_dim] of rows x (or of their float8, `Fusion.norm`'s): the Linears of
+    `qkv_linears`, one fused projection's output chunked in three. diffusers' generic `Attention`
+    (Qwen-Image's) has no `head_dim`: its processor divides `inner_dim` by `heads`."""
     head_dim = getattr(attn, "head_dim", None) or attn.inner_dim // attn.heads
     shape = (-1, head_dim)
-    if getattr(attn, "fused_projections", False):
-        parts = host.linear(getattr(attn, fused), x).chunk(3, dim=-1)
+    linears = qkv_linears(attn, separate, fused)
+    if len(linears) == 1:
+        parts = host.linear(linears[0], x).chunk(3, dim=-1)
     else:
         with float8_linear.shared(x):
-            parts = tuple(host.linear(getattr(attn, name), x) for name in separate)
+            parts = tuple(host.linear(linear, x) for linear in linears)
     query, key, value = (t.unflatten(-1, shape) for t in parts)
     return query, key, value
 
@@ -157,8 +181,8 @@ def joint_attention_rows(
     attn: nn.Module,
     host: Host,
     fusion: Fusion,
-    x: torch.Tensor,
-    c: torch.Tensor,
+    x: torch.Tensor | float8_linear.Quantized,
+    c: torch.Tensor | float8_linear.Quantized,
     rope: Rope,
     attend: Attention,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,17 +224,21 @@ def double_block_mlps(
     image: StreamUpdate,
     text: StreamUpdate,
     feed_forward: FeedForward,
+    feed_forward_inputs: Callable[[Host, nn.Module], tuple[nn.Module, ...]] | None = None,
 ) -> tuple[Stream, Stream]:
     """The rest of a double block, as both families write it, for the image stream then the text
     stream (diffusers' order): the gated attention residual, the modulated `norm2`, the feed-forward
     (`ff`, `ff_context`) and its gated residual, left pending; the text stream clipped in fp16 (so
-    materialized there)."""
+    materialized there). `feed_forward_inputs(host, ff)`: the Linears `feed_forward` reads the norm
+    with (none where it calls the module), whose float8 rows the norm may give them (`float8_rows`)."""
     streams = []
     for (stream, attn_out, gate_msa, (shift, scale, gate)), norm, ff, clip_fp16 in (
         (image, block.norm2, block.ff, False),
         (text, block.norm2_context, block.ff_context, True),
     ):
-        normed, stream = fusion.norm(fusion.add(stream, attn_out, gate_msa), scale, shift, norm.eps)
+        quantize = feed_forward_inputs is not None and float8_rows(host, feed_forward_inputs(host, ff))
+        updated = fusion.add(stream, attn_out, gate_msa)
+        normed, stream = fusion.norm(updated, scale, shift, norm.eps, float8_rows=quantize)
         mlp = feed_forward(ff, host, fusion, normed)
         streams.append(fusion.add(stream, mlp, gate, clip_fp16=clip_fp16))
     return streams[0], streams[1]
@@ -318,7 +346,7 @@ def project_activation(
     return host.linear(linear, activation())
 
 
-def mlp(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
+def mlp(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor | float8_linear.Quantized) -> torch.Tensor:
     """linear_in, the activation (`ff.act_fn`, SwiGLU where it has none), linear_out."""
     op = activation_op(getattr(ff, "act_fn", None))
     return project_activation(host, ff.linear_out, op, fusion, host.linear(ff.linear_in, x))
@@ -329,9 +357,17 @@ def feed_forward_plain(host: Host, ff: nn.Module) -> bool:
     return host.plain(ff) and activation_plain(host, getattr(ff, "act_fn", None))
 
 
-def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
+def feed_forward(
+    ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor | float8_linear.Quantized
+) -> torch.Tensor:
     """The block code's MLP where `ff` (and its activation module, where it has one) is plain, else
-    the module's own call."""
+    the module's own call (on x's values, where x came quantized)."""
     if feed_forward_plain(host, ff):
         return mlp(ff, host, fusion, x)
-    return host.call(ff, x)
+    return host.call(ff, float8_linear.dense(x))
+
+
+def feed_forward_inputs(host: Host, ff: nn.Module) -> tuple[nn.Module, ...]:
+    """The Linears `feed_forward` reads its input with: the MLP's `linear_in`, none where the
+    module's own call runs."""
+    return (ff.linear_in,) if feed_forward_plain(host, ff) else ()

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..float8_linear import Quantized
 from ..ops import gated_resnorm
 from ..ops.gated_resnorm import Segment
 from ..ops.gated_resnorm.reference import Modulation
@@ -87,9 +88,10 @@ def clip_fp16_range(x: torch.Tensor) -> torch.Tensor:
 
 
 class Normed(NamedTuple):
-    """A norm site's results: the modulated norm, and the stream it normalized, materialized."""
+    """A norm site's results: the modulated norm (or, asked for, torchao's per-row float8 of it), and
+    the stream it normalized, materialized."""
 
-    out: torch.Tensor
+    out: torch.Tensor | Quantized
     stream: torch.Tensor
 
 
@@ -142,11 +144,30 @@ class Fusion:
             return self.saturate(Segment(x, update, gate, update2=update2).materialize())
         return gated_resnorm.defer(x, update, gate, update2=update2, enabled=self.fused)
 
-    def norm(self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> Normed:
+    def norm(
+        self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float, *, float8_rows: bool = False
+    ) -> Normed:
         """`(1 + scale) * layer_norm(stream) + shift` and the stream, in one launch where the fused
-        kernel accepts the call."""
+        kernel accepts the call.
+
+        float8_rows: the caller's readers of the norm are torchao float8 Linears that quantize their
+        input per row (`Host.float8_input`). The norm then comes as that quantization
+        (`float8_linear.Quantized`, from the kernel's quantizing form) where the form accepts the
+        call: the bf16 norm is neither written nor read back. A reader that needs the values after
+        all computes them from the stream (`dense`), the same bits."""
+        rows = _segments(x)
+        if float8_rows and self.fused and not self.addcmul:
+            got = gated_resnorm.quantized(rows, scale, shift, eps, write_residual=True)
+            if got is not None:
+                q, q_scale, stream = got
+                assert stream is not None
+
+                def dense() -> torch.Tensor:
+                    return self.output_norm(stream, scale, shift, eps)
+
+                return Normed(Quantized(q, q_scale, "row", stream.dtype, dense), stream)
         out, stream = gated_resnorm.apply(
-            _segments(x), scale, shift, eps, write_residual=True, enabled=self.fused, addcmul=self.addcmul
+            rows, scale, shift, eps, write_residual=True, enabled=self.fused, addcmul=self.addcmul
         )
         assert stream is not None
         return Normed(out, stream)

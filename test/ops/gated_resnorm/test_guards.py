@@ -840,9 +840,56 @@ def test_addcmul_declines_what_comfyuis_sites_do_not_use(change: str, reason: st
     assert gated_resnorm.addcmul_reason(*_comfyui_rows()) is None
 
 
+# What each change to a FLUX.2 site makes the quantizing form's `quantized_form_reason` say.
+QUANTIZED_CASES = {
+    "per-token": "the quantizing form takes one modulation row a batch, not per-token rows",
+    "per-token gate": "the quantizing form takes one modulation row a batch, not per-token rows",
+    "update2": "the quantizing form takes one-term updates",
+    "other width": "the quantizing form takes D of 3072, 4096, 6144, got 2048",
+    "per-segment": "the quantizing form takes one scale and shift for every row",
+}
+
+
+@pytest.mark.parametrize(("change", "reason"), QUANTIZED_CASES.items())
+def test_the_quantizing_form_declines_what_flux2s_sites_do_not_use(change: str, reason: str) -> None:
+    """The quantizing form (out as torchao's per-row float8) is built for FLUX.1/FLUX.2's sites:
+    anything else declines with a reason, and the caller computes out."""
+    rows, scale, shift = _comfyui_rows(2048 if change == "other width" else 3072)
+    if change == "per-token":
+        scale = torch.randn(2, 5, 3072)
+    elif change == "per-token gate":
+        segment = rows[0]
+        rows = [gated_resnorm.Segment(segment.residual, segment.update, torch.randn(2, 5, 3072))]
+    elif change == "update2":
+        segment = rows[0]
+        rows = [gated_resnorm.Segment(segment.residual, segment.update, segment.gate, update2=segment.update)]
+    elif change == "per-segment":
+        scale, shift = (scale,), (shift,)
+    assert guards.quantized_form_reason(rows, scale, shift) == reason
+    assert gated_resnorm.quantized_reason(rows, scale, shift) == reason
+    assert gated_resnorm.quantized(rows, scale, shift, 1e-6, write_residual=True) is None
+
+
+@pytest.mark.parametrize("dim", [3072, 4096, 6144])
+def test_the_quantizing_form_takes_flux2s_sites_on_a_gpu_only(dim: int) -> None:
+    """A FLUX.2 site (one modulation row a batch, with or without an update, one or two segments)
+    is the quantizing form's: on the CPU only the device declines it."""
+    rows, scale, shift = _comfyui_rows(dim)
+    plain = [gated_resnorm.Segment(rows[0].residual)]
+    two = [rows[0], gated_resnorm.Segment(torch.randn(2, 3, dim), torch.randn(2, 3, dim), rows[0].gate)]
+    for case in (rows, plain, two):
+        assert guards.quantized_form_reason(case, scale, shift) is None
+        assert (
+            gated_resnorm.quantized_reason(case, scale, shift)
+            == "tensors are on cpu, the fused kernel needs CUDA"
+        )
+        assert gated_resnorm.quantized(case, scale, shift, 1e-6, write_residual=True) is None
+
+
 def test_every_decline_reason_in_the_module_has_a_case() -> None:
     produced = [case.reason for case in CASES.values()] + [reason for _, reason, _ in RUNTIME_CASES.values()]
     produced += list(ROWS_CASES.values()) + list(ADDCMUL_CASES.values()) + test_runtime.REASONS
+    produced += list(QUANTIZED_CASES.values())
     templates = reason_templates(gated_resnorm, guards, verdicts, runtime)
     assert len(templates) >= 15  # the walk found the reasons at all
     missing = untested(templates, produced)

@@ -550,3 +550,94 @@ def test_flux2_layouts_still_take_the_flux2_kernels(gen):
     per_token_gate = _rows(2, 512, dim, dtype, gen)
     names = kernels(lambda: gated_resnorm(residual, update, per_token_gate, scale, shift))
     assert len(names) == 1 and ", true, true>" in names[0], names
+
+
+# The quantizing form: out as torchao's per-row float8, for FLUX.1/FLUX.2's sites.
+
+QUANTIZED_TOKENS = [1, 7, 512, 4096, 4608]
+
+
+def _float8_of(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's per-row quantization of eager's out (float8_quant's reference, eager's kernels)."""
+    from flux2_fused.ops.float8_quant import reference as float8_reference
+
+    return float8_reference.quantize(out, "row")
+
+
+def _same_float8(got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    from flux2_fused.ops.float8_quant.selfcheck import same
+
+    return same(got, expected)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs sm_89"
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["strided", "broadcast"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dim", [3072, 4096, 6144])
+@pytest.mark.parametrize("tokens", QUANTIZED_TOKENS)
+def test_quantized_form_is_torchaos_float8_of_eagers_out(tokens, dim, batch, layout, dtype, gen):
+    """Gated and plain rows, edge rows included (NaN and Inf rows, constant rows, x1e3 and x1e-3):
+    the bytes and scales are torchao's quantization of eager's out, the stream is eager's, in one
+    launch of the quantizing kernel and none of the plain one."""
+    residual = _rows(batch, tokens, dim, dtype, gen)
+    update = _rows(batch, tokens, dim, dtype, gen)
+    gate, scale, shift = _modulation(batch, dim, dtype, layout, gen)
+    ref_out, ref_stream = gated_resnorm_reference(residual, update, gate, scale, shift)
+    rows = [Segment(residual, update, gate)]
+    got = op.quantized(rows, scale, shift, 1e-6, write_residual=True)  # the first call self-checks
+    assert got is not None, op.quantized_reason(rows, scale, shift)
+    q, q_scale, stream = got
+    assert fused_launches(lambda: op.quantized(rows, scale, shift, 1e-6, write_residual=True)) == 1
+    assert bits_equal(stream, ref_stream)
+    assert _same_float8((q, q_scale), _float8_of(ref_out))
+    plain = op.quantized([Segment(residual)], scale, shift, 1e-6, write_residual=True)
+    assert plain is not None and plain[2] is residual
+    assert _same_float8(plain[:2], _float8_of(modnorm_reference(residual, scale, shift)))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs sm_89"
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dim", [3072, 6144])
+def test_quantized_form_edge_values(dim, dtype, gen):
+    """Subnormal products, overflow, non-finite modulation and random bit patterns (NaN and zero
+    scales, rows at the float8 maximum): torchao's bits of eager's out, two segments too."""
+    for name, (residual, update, gate, scale, shift) in _edge_value_cases(dim, dtype, gen):
+        got = op.quantized([Segment(residual, update, gate)], scale, shift, 1e-6, write_residual=True)
+        assert got is not None, name
+        ref_out, ref_stream = gated_resnorm_reference(residual, update, gate, scale, shift)
+        assert bits_equal(got[2], ref_stream), name
+        assert _same_float8(got[:2], _float8_of(ref_out)), name
+    txt = [_rows(2, 77, dim, dtype, gen) for _ in range(2)]
+    img = [_rows(2, 1001, dim, dtype, gen) for _ in range(2)]
+    g_txt, _, _ = _modulation(2, dim, dtype, "strided", gen)
+    g_img, scale, shift = _modulation(2, dim, dtype, "strided", gen)
+    rows = [Segment(txt[0], txt[1], g_txt), Segment(img[0], img[1], g_img)]
+    q, q_scale, stream = op.quantized(rows, scale, shift, 1e-6, write_residual=True)
+    ref_stream = torch.cat([txt[0] + g_txt * txt[1], img[0] + g_img * img[1]], dim=1)
+    assert bits_equal(stream, ref_stream)
+    assert _same_float8((q, q_scale), _float8_of(modnorm_reference(ref_stream, scale, shift)))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs sm_89"
+)
+def test_quantized_form_self_check_and_declines(gen):
+    """Its own verdict per (D, dtype); per-token modulation and other widths decline to the caller."""
+    from flux2_fused.ops import runtime
+
+    for dim in (3072, 4096, 6144):
+        for dtype in (torch.bfloat16, torch.float16):
+            passed, detail = op.self_check(torch.device("cuda"), op.Config(dim, dtype, "row"))
+            assert passed, detail
+    residual = _rows(1, 9, 3072, torch.bfloat16, gen)
+    per_token = _rows(1, 9, 3072, torch.bfloat16, gen)
+    assert op.quantized([Segment(residual)], per_token, per_token, 1e-6, write_residual=False) is None
+    wide = _rows(1, 9, 8192, torch.bfloat16, gen)
+    reason = op.quantized_reason([Segment(wide)], wide[:, :1], wide[:, :1])
+    assert reason == "the quantizing form takes D of 3072, 4096, 6144, got 8192"
+    assert runtime.runtime_reason(op.OP, residual.device, op.Config(3072, torch.bfloat16, "row")) is None

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...float8_linear import Quantized, dense
 from ...host import Attention, Host
 from ..common import (
     Options,
@@ -34,11 +35,14 @@ from ..common import (
     call_double_block,
     double_block_mlps,
     feed_forward,
+    feed_forward_inputs,
+    float8_rows,
     joint_attention_rows,
     layer_norms_plain,
     output_norm,
     project_activation,
     prologue,
+    qkv_linears,
     split_modulation,
 )
 from ..deferral import Fusion, PendingConcat, Stream, materialize, stream_rows
@@ -50,8 +54,8 @@ def double_attention(
     attn: nn.Module,
     host: Host,
     fusion: Fusion,
-    x: torch.Tensor,
-    c: torch.Tensor,
+    x: torch.Tensor | Quantized,
+    c: torch.Tensor | Quantized,
     rope: Rope,
     attend: Attention,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,8 +73,8 @@ def joint_attention(
     attn: nn.Module,
     host: Host,
     fusion: Fusion,
-    x: torch.Tensor,
-    c: torch.Tensor,
+    x: torch.Tensor | Quantized,
+    c: torch.Tensor | Quantized,
     rope: Rope,
     options: Options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,13 +83,17 @@ def joint_attention(
     attend = host.attention(attn, options, c.shape[1])
     if attend is None:
         return host.call(
-            attn, hidden_states=x, encoder_hidden_states=c, image_rotary_emb=rope, **(options or {})
+            attn,
+            hidden_states=dense(x),
+            encoder_hidden_states=dense(c),
+            image_rotary_emb=rope,
+            **(options or {}),
         )
     return double_attention(attn, host, fusion, x, c, rope, attend)
 
 
 def parallel_attention(
-    attn: nn.Module, host: Host, fusion: Fusion, h: torch.Tensor, rope: Rope, attend: Attention
+    attn: nn.Module, host: Host, fusion: Fusion, h: torch.Tensor | Quantized, rope: Rope, attend: Attention
 ) -> torch.Tensor:
     """A single block's body: one Linear gives q, k, v and the MLP input, one maps the attention
     output and the SwiGLU activation back to D. The split follows diffusers' (q, k, v and the MLP
@@ -106,7 +114,7 @@ def single_attention(
     attn: nn.Module,
     host: Host,
     fusion: Fusion,
-    h: torch.Tensor,
+    h: torch.Tensor | Quantized,
     rope: Rope,
     options: Options,
     text_tokens: int,
@@ -115,7 +123,7 @@ def single_attention(
     module and its SwiGLU (where it has one as a module) is plain, else the module's own call."""
     attend = host.attention(attn, options, text_tokens)
     if attend is None or not activation_plain(host, getattr(attn, "mlp_act_fn", None)):
-        return host.call(attn, hidden_states=h, image_rotary_emb=rope, **(options or {}))
+        return host.call(attn, hidden_states=dense(h), image_rotary_emb=rope, **(options or {}))
     return parallel_attention(attn, host, fusion, h, rope, attend)
 
 
@@ -136,12 +144,16 @@ def double_block_body(
     same for text, whose result is clipped in fp16."""
     (shift_msa, scale_msa, gate_msa), mlp_img = split_modulation(mod_img, 2)
     (c_shift_msa, c_scale_msa, c_gate_msa), mlp_txt = split_modulation(mod_txt, 2)
-    x_norm, x = fusion.norm(x, scale_msa, shift_msa, block.norm1.eps)
-    c_norm, c = fusion.norm(c, c_scale_msa, c_shift_msa, block.norm1_context.eps)
-    x_attn, c_attn = joint_attention(block.attn, host, fusion, x_norm, c_norm, rope, options)
-    return double_block_mlps(
-        block, host, fusion, (x, x_attn, gate_msa, mlp_img), (c, c_attn, c_gate_msa, mlp_txt), feed_forward
+    attn = block.attn
+    image_rows = float8_rows(host, qkv_linears(attn, ("to_q", "to_k", "to_v"), "to_qkv"))
+    text_rows = float8_rows(
+        host, qkv_linears(attn, ("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv")
     )
+    x_norm, x = fusion.norm(x, scale_msa, shift_msa, block.norm1.eps, float8_rows=image_rows)
+    c_norm, c = fusion.norm(c, c_scale_msa, c_shift_msa, block.norm1_context.eps, float8_rows=text_rows)
+    x_attn, c_attn = joint_attention(attn, host, fusion, x_norm, c_norm, rope, options)
+    image, text = (x, x_attn, gate_msa, mlp_img), (c, c_attn, c_gate_msa, mlp_txt)
+    return double_block_mlps(block, host, fusion, image, text, feed_forward, feed_forward_inputs)
 
 
 def double_block_plain(host: Host, block: nn.Module) -> bool:
@@ -206,7 +218,9 @@ def single_block_body(
 ) -> Stream:
     """A single block on a possibly-pending joint stream; returns its update pending (clipped in fp16)."""
     ((shift, scale, gate),) = split_modulation(mod, 1)
-    h_norm, h = fusion.norm(h, scale, shift, block.norm.eps)
+    h_norm, h = fusion.norm(
+        h, scale, shift, block.norm.eps, float8_rows=float8_rows(host, (block.attn.to_qkv_mlp_proj,))
+    )
     update = single_attention(block.attn, host, fusion, h_norm, rope, options, text_tokens)
     return fusion.add(h, update, gate, clip_fp16=True)
 

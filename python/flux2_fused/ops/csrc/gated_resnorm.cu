@@ -3,7 +3,8 @@
 // kernel may run; the checks here only stop a misuse from touching the wrong memory. What a call
 // leaves out (the update, update2 and gate of a plain segment, the second update of a one-term
 // segment, the second segment and its own modulation, residual_out) arrives as None: the arguments
-// say what the kernel does, there are no flag bits to keep in step with them.
+// say what the kernel does, there are no flag bits to keep in step with them. With q_scale, out is
+// the quantizing form's e4m3fn bytes and q_scale its scale a row.
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/extra/cuda/device_guard.h>
@@ -110,6 +111,28 @@ void launch_vecs(const Params<T>& p, int terms, bool row_mod, cudaStream_t strea
   }
 }
 
+// The quantizing form: one modulation row a batch, no update or one, D = 512 kVecs (FLUX.1/FLUX.2's
+// 3072, 4096, 6144); the Python guards decline everything else first.
+template <typename T, int kVecs>
+void launch_quantized_terms(const Params<T>& p, int terms, cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>(p.rows);
+  if (terms == 0) {
+    gated_resnorm_kernel_quantized<T, kVecs, 0><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    gated_resnorm_kernel_quantized<T, kVecs, 1><<<grid, kThreads, 0, stream>>>(p);
+  }
+}
+
+template <typename T>
+void launch_quantized(const Params<T>& p, int terms, bool row_mod, bool addcmul, cudaStream_t stream) {
+  TVM_FFI_ICHECK(!row_mod && !addcmul && terms < 2)
+      << "the quantizing form takes one modulation row a batch, diffusers' rounding and no update or one";
+  if (p.dim == 3072) return launch_quantized_terms<T, 6>(p, terms, stream);
+  if (p.dim == 4096) return launch_quantized_terms<T, 8>(p, terms, stream);
+  if (p.dim == 6144) return launch_quantized_terms<T, 12>(p, terms, stream);
+  TVM_FFI_THROW(ValueError) << "the quantizing form takes D of 3072, 4096 or 6144, got " << p.dim;
+}
+
 // Smallest instantiated per-thread vector count that covers D / 4 vectors over 128 threads.
 template <typename T>
 void launch(const Params<T>& p, int terms, bool row_mod, cudaStream_t stream) {
@@ -132,7 +155,8 @@ void launch(const Params<T>& p, int terms, bool row_mod, cudaStream_t stream) {
 // each segment's residual, update, update2 and gate (None where absent), then eps and whether the
 // modulation is aten's addcmul (ComfyUI's) rather than diffusers' two roundings.
 template <typename T>
-void run(TensorView out, Optional<TensorView> residual_out, TensorView scale, TensorView shift,
+void run(TensorView out, Optional<TensorView> q_scale, Optional<TensorView> residual_out, TensorView scale,
+         TensorView shift,
          Optional<TensorView> scale1, Optional<TensorView> shift1, TensorView r0, Optional<TensorView> u0,
          Optional<TensorView> v0, Optional<TensorView> g0, Optional<TensorView> r1, Optional<TensorView> u1,
          Optional<TensorView> v1, Optional<TensorView> g1, double eps, bool addcmul) {
@@ -181,7 +205,18 @@ void run(TensorView out, Optional<TensorView> residual_out, TensorView scale, Te
   }
   p.split = split;
   p.rows_per_batch = tokens;
-  p.out = data<T>(out);
+  if (q_scale.has_value()) {
+    const TensorView qs = *q_scale;
+    TVM_FFI_ICHECK(out.dtype().bits == 8 && out.IsContiguous() && qs.dtype().code == kDLFloat &&
+                   qs.dtype().bits == 32 && qs.IsContiguous() && qs.numel() == batch * tokens)
+        << "the quantizing form's out must be contiguous bytes and q_scale a float32 a row";
+    p.q = data<uint8_t>(out);
+    p.q_scale = data<float>(qs);
+  } else {
+    const DLDataType o = out.dtype(), r = r0.dtype();
+    TVM_FFI_ICHECK(o.code == r.code && o.bits == r.bits && o.lanes == r.lanes) << "out must have the rows' dtype";
+    p.out = data<T>(out);
+  }
   p.residual_out = residual_out.has_value() ? data<T>(*residual_out) : nullptr;
   p.dim = static_cast<int32_t>(dim);
   p.eps = static_cast<float>(eps);
@@ -192,12 +227,15 @@ void run(TensorView out, Optional<TensorView> residual_out, TensorView scale, Te
   // Launch on the tensors' device, whichever device is current, on that device's current stream.
   const DLDevice dev = out.device();
   for (const Optional<TensorView>& t : {Optional<TensorView>(scale), Optional<TensorView>(shift), scale1, shift1,
-                                          Optional<TensorView>(r0), residual_out, u0, v0, g0, r1, u1, v1, g1}) {
+                                          Optional<TensorView>(r0), residual_out, q_scale, u0, v0, g0, r1, u1, v1,
+                                          g1}) {
     if (t.has_value()) check_device(*t, dev);
   }
   tvm::ffi::CUDADeviceGuard device_guard(dev.device_id);
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
-  if (addcmul) {
+  if (q_scale.has_value()) {
+    launch_quantized<T>(p, terms, row_mod, addcmul, stream);
+  } else if (addcmul) {
     launch_addcmul<T>(p, terms, row_mod, stream);
   } else {
     launch<T>(p, terms, row_mod, stream);
@@ -206,17 +244,18 @@ void run(TensorView out, Optional<TensorView> residual_out, TensorView scale, Te
   TVM_FFI_ICHECK(err == cudaSuccess) << "gated_resnorm launch failed: " << cudaGetErrorString(err);
 }
 
-void gated_resnorm(TensorView out, Optional<TensorView> residual_out, TensorView scale, TensorView shift,
-                   Optional<TensorView> scale1, Optional<TensorView> shift1, TensorView r0,
+void gated_resnorm(TensorView out, Optional<TensorView> q_scale, Optional<TensorView> residual_out, TensorView scale,
+                   TensorView shift, Optional<TensorView> scale1, Optional<TensorView> shift1, TensorView r0,
                    Optional<TensorView> u0, Optional<TensorView> v0, Optional<TensorView> g0,
                    Optional<TensorView> r1, Optional<TensorView> u1, Optional<TensorView> v1,
                    Optional<TensorView> g1, double eps, bool addcmul) {
-  const DLDataType dt = out.dtype();
+  const DLDataType dt = r0.dtype();  // out's, or (the quantizing form) the value's out quantizes
   if (dt.code == kDLBfloat && dt.bits == 16) {
-    run<__nv_bfloat16>(out, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1, eps,
-                       addcmul);
+    run<__nv_bfloat16>(out, q_scale, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1,
+                       eps, addcmul);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
-    run<__half>(out, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1, eps, addcmul);
+    run<__half>(out, q_scale, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1, eps,
+                addcmul);
   } else {
     TVM_FFI_THROW(TypeError) << "gated_resnorm supports bfloat16 and float16 only";
   }

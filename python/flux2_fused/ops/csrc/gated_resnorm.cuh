@@ -18,13 +18,16 @@
 //
 // One block of 128 threads handles one row. The row's elements live in registers between the
 // reduction and the output, so the kernel moves exactly: read residual + update (+ update2), write
-// residual_out (optional) + out. Modulation rows (gate, scale, shift) are either one row a batch or
+// residual_out (optional) + out. The quantizing form (kQuant) writes, in place of out, torchao's
+// per-row float8 of it (float8_quant.cuh): the modulated row stays in registers while the block
+// reduces its amax, then goes out as e4m3fn bytes with the row's scale (docs/numerics.md, 15). Modulation rows (gate, scale, shift) are either one row a batch or
 // one for all, broadcast over tokens (FLUX.1/FLUX.2: L2-resident, read through the read-only cache),
 // or one row per token (FLUX.3: read once, streamed like the residual). Which row a token reads is
 // only an address: the arithmetic of a row never depends on where its modulation came from.
 #pragma once
 
 #include "common.cuh"
+#include "float8_quant.cuh"
 
 namespace flux2_fused {
 
@@ -166,6 +169,8 @@ struct Params {
   int64_t rows_per_batch;  // T (tokens)
   T* out;                  // [B, T, D] contiguous
   T* residual_out;         // [B, T, D] contiguous, or nullptr to skip writing it
+  uint8_t* q;              // the quantizing form's out: [B, T, D] e4m3fn bytes, contiguous
+  float* q_scale;          // ... and its scale a row, [B * T]
   int32_t dim;             // D, a multiple of 4
   float eps;
 };
@@ -197,24 +202,59 @@ struct RowRef {
   }
 };
 
+// The quantizing form's output: the row's amax (a max of T magnitude bits, NaN above everything, as
+// float8_quant's), its scale, and its values as e4m3fn bytes, four a thread's vector. Each warp
+// reduces its lanes, and every thread then takes the max of the four warps' (one barrier).
+template <typename T, int kVecs>
+__device__ __forceinline__ void quantize(const Params<T>& p, const Packed4<T> (&o)[kVecs], int owned, int64_t row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  __trap();  // float8 GEMMs need sm_89: the guards never launch it on an older GPU, and no code is built
+#else
+  unsigned int m = 0;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (j < owned) m = max(m, float8_quant::packed_max<T, 2>(o[j]));
+  }
+  __shared__ unsigned int warp_max[kWarps];
+  m = __reduce_max_sync(0xffffffffu, m);
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+  m = max(max(warp_max[0], warp_max[1]), max(warp_max[2], warp_max[3]));
+  const float scale = float8_quant::scale_of<T>(m);
+  if (threadIdx.x == 0) p.q_scale[row] = scale;
+  const float8_quant::Divisor d = float8_quant::divisor_of(scale);
+  unsigned int* q = reinterpret_cast<unsigned int*>(p.q + row * p.dim) + threadIdx.x;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (j < owned) {
+      unsigned int bytes[1];
+      float8_quant::quantize_packed<T, 2>(o[j], d, bytes);
+      __stcs(q + j * kThreads, bytes[0]);  // nothing reads them in this launch
+    }
+  }
+#endif
+}
+
 // Step 4 of the kernel: the row's normalized values modulated and stored. kAddcmul is ComfyUI's
 // `apply_mod`, aten's addcmul(shift, n, T(scale + 1)): the product of two T values and the sum in
 // fp32, one rounding to T (docs/numerics.md, 3.7); otherwise diffusers' `n * (1 + scale) + shift`,
-// each op rounded to T (packed T-pair math, argued above).
-template <typename T, int kVecs, bool kRowMod, bool kAddcmul>
+// each op rounded to T (packed T-pair math, argued above). kQuant: the values (each rounded to T as
+// out would hold it) are quantized (`quantize`, above) instead of stored.
+template <typename T, int kVecs, bool kRowMod, bool kAddcmul, bool kQuant>
 __device__ __forceinline__ void modulate(const Params<T>& p, const RowRef<T>& ref, const Packed4<T> (&y)[kVecs],
                                          int owned, float mean, float rstd, int64_t row) {
   using V = Elem<T>;
   const Segment<T>& mod = kRowMod ? *ref.seg : p.seg[0];
   const uint2* scale = thread_base(ref.template modulation<kRowMod>(mod.scale));
   const uint2* shift = thread_base(ref.template modulation<kRowMod>(mod.shift));
-  uint2* out = const_cast<uint2*>(thread_base(p.out + row * p.dim));
+  uint2* out = kQuant ? nullptr : const_cast<uint2*>(thread_base(p.out + row * p.dim));
+  Packed4<T> o[kQuant ? kVecs : 1];
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     if (j < owned) {
       const Packed4<T> sc = load_modulation<T, kRowMod>(scale, j);
       const Packed4<T> sh = load_modulation<T, kRowMod>(shift, j);
-      Packed4<T> o;
+      Packed4<T>& oj = o[kQuant ? j : 0];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float n0 = __fmul_rn(rstd, __fsub_rn(y[j].get(2 * h), mean));
@@ -222,15 +262,16 @@ __device__ __forceinline__ void modulate(const Params<T>& p, const RowRef<T>& re
         const auto s1 = V::add(sc.p[h], V::ones());
         const auto n = V::pack(n0, n1);
         if constexpr (kAddcmul) {
-          o.p[h] = V::pack(__fadd_rn(V::lo(sh.p[h]), __fmul_rn(V::lo(n), V::lo(s1))),
-                           __fadd_rn(V::hi(sh.p[h]), __fmul_rn(V::hi(n), V::hi(s1))));
+          oj.p[h] = V::pack(__fadd_rn(V::lo(sh.p[h]), __fmul_rn(V::lo(n), V::lo(s1))),
+                            __fadd_rn(V::hi(sh.p[h]), __fmul_rn(V::hi(n), V::hi(s1))));
         } else {
-          o.p[h] = V::add(V::mul(n, s1), sh.p[h]);
+          oj.p[h] = V::add(V::mul(n, s1), sh.p[h]);
         }
       }
-      store(out, j, o);
+      if constexpr (!kQuant) store(out, j, oj);
     }
   }
+  if constexpr (kQuant) quantize<T, kVecs>(p, o, owned, row);
 }
 
 // One block per row. All of the row's residual and update loads (and, up to 12 vectors a thread, the
@@ -249,8 +290,9 @@ __device__ __forceinline__ void modulate(const Params<T>& p, const RowRef<T>& re
 // kAddcmul: ComfyUI's modulation rounding (`modulate`); instantiated only where ComfyUI's FLUX.2 needs
 // it (one modulation row a batch, one-term updates, D <= 6144), so FLUX.2's and FLUX.3's kernels are
 // the ones they were.
-template <typename T, int kVecs, int kTerms, bool kRowMod, bool kFull, bool kAddcmul>
-__global__ void __launch_bounds__(kThreads) gated_resnorm_kernel(const Params<T> p) {
+// kQuant: the quantizing form (out as torchao's per-row float8: `gated_resnorm_kernel_quantized`).
+template <typename T, int kVecs, int kTerms, bool kRowMod, bool kFull, bool kAddcmul, bool kQuant>
+__device__ __forceinline__ void gated_resnorm_row(const Params<T>& p) {
   using V = Elem<T>;
   static_assert(kTerms >= 0 && kTerms <= 2, "kTerms is 0 (plain), 1 or 2 (update + update2)");
   // Past 12 vectors a thread (8 with a second update), holding the gate too costs more occupancy than
@@ -330,8 +372,20 @@ __global__ void __launch_bounds__(kThreads) gated_resnorm_kernel(const Params<T>
   const float rstd = rsqrtf(__fadd_rn(var, p.eps));
 
   // 4. n = T(rstd * (y - mean)); out = T(T(n * T(scale + 1)) + shift), or with kAddcmul
-  //    out = T(shift + n * T(scale + 1)).
-  modulate<T, kVecs, kRowMod, kAddcmul>(p, ref, y, owned, mean, rstd, row);
+  //    out = T(shift + n * T(scale + 1)); kQuant: out quantized.
+  modulate<T, kVecs, kRowMod, kAddcmul, kQuant>(p, ref, y, owned, mean, rstd, row);
+}
+
+template <typename T, int kVecs, int kTerms, bool kRowMod, bool kFull, bool kAddcmul>
+__global__ void __launch_bounds__(kThreads) gated_resnorm_kernel(const Params<T> p) {
+  gated_resnorm_row<T, kVecs, kTerms, kRowMod, kFull, kAddcmul, false>(p);
+}
+
+// The quantizing form, instantiated for one modulation row a batch, no update or one, and D of 3072,
+// 4096 or 6144 (kFull): the FLUX.1/FLUX.2 sites whose norm only float8 Linears read.
+template <typename T, int kVecs, int kTerms>
+__global__ void __launch_bounds__(kThreads) gated_resnorm_kernel_quantized(const Params<T> p) {
+  gated_resnorm_row<T, kVecs, kTerms, false, true, false, true>(p);
 }
 
 }  // namespace flux2_fused

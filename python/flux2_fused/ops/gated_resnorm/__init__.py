@@ -16,6 +16,10 @@ Modulation rows (gate, scale, shift) are one row for all tokens (FLUX.1/FLUX.2: 
 site over two segments takes one scale and shift for all its rows, or (FLUX.3's single block) a
 tuple with one per segment: each segment is then normalized and modulated with its own rows.
 
+`quantized` is the site's quantizing form for a torchao float8 Linear that reads only the norm's out
+(per row): the kernel writes torchao's float8 of out (its bytes and a scale a row) in place of out,
+which is never written; `quantized_reason` says why it declines.
+
 `addcmul=True` is ComfyUI's modulation, `torch.addcmul(shift, norm, 1 + scale)`, whose product and
 sum round once where diffusers rounds each (docs/numerics.md, 3.7); its kernels cover ComfyUI's
 FLUX.2 sites (one modulation row a batch, no update or one, D up to 6144), and `addcmul_reason`
@@ -37,8 +41,10 @@ from .guards import (
     defer_decline_reason,
     gated_resnorm_decline_reason,
     modnorm_decline_reason,
+    quantized_form_reason,
+    quantized_runtime_reason,
 )
-from .launch import KERNEL, launch
+from .launch import KERNEL, launch, launch_quantized
 from .reference import Segment
 from .selfcheck import OP, Config, self_check
 
@@ -224,6 +230,36 @@ def apply(
     return result if result is not None else reference.segments(rows, scale, shift, eps, addcmul=addcmul)
 
 
+def quantized_reason(rows: Sequence[Segment], scale: Modulation, shift: Modulation) -> str | None:
+    """Why `quantized(rows, scale, shift, ...)` declines, or None when it launches the kernel."""
+    reason = quantized_form_reason(rows, scale, shift) or decline_reason(rows, scale, shift)
+    return reason or quantized_runtime_reason(rows[0].residual)
+
+
+def quantized(
+    rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float, *, write_residual: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(q, scale, stream): the site's out as torchao's per-row float8 (e4m3fn bytes of out's shape,
+    a float32 scale a row [..., 1]) and its stream as `fused` gives it, from one launch; None where
+    the quantizing form declines (`quantized_reason`) or under a torch.compile trace (the caller
+    then computes out, and the Linear quantizes it)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        if _rows_reason(rows, scale, shift, write_residual) or quantized_form_reason(rows, scale, shift):
+            return None
+    except Exception:  # not segments of tensors: declined, as the guards decline garbage
+        return None
+    if not all(_accepted(segment, scale, shift) for segment in rows):
+        return None
+    if quantized_runtime_reason(rows[0].residual) is not None:
+        return None
+    if rows[0].update is None:
+        q, q_scale, _ = launch_quantized(rows, scale, shift, eps, write_residual=False)
+        return q, q_scale, rows[0].residual if write_residual else None
+    return launch_quantized(rows, scale, shift, eps, write_residual=write_residual)
+
+
 def _traced(
     rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float, addcmul: bool
 ) -> Result:
@@ -318,6 +354,8 @@ __all__ = [
     "modnorm",
     "modnorm_decline_reason",
     "modnorm_reference",
+    "quantized",
+    "quantized_reason",
     "reference",
     "self_check",
 ]

@@ -18,7 +18,7 @@ import torch
 from .. import runtime
 from ..verdicts import Guard, Reason, TypeReason
 from .reference import Modulation, Segment
-from .selfcheck import OP, Config
+from .selfcheck import OP, QUANTIZED_DIMS, Config
 
 SUPPORTED_DTYPES = runtime.SUPPORTED_DTYPES
 MAX_DIM = 16384  # the kernel's largest instantiation: 32 vectors of 4 per thread, 128 threads
@@ -183,3 +183,27 @@ def addcmul_reason(rows: Sequence[Segment], scale: Modulation, shift: Modulation
     if any(t.dim() >= 2 and t.shape[-2] != 1 for t in (scale, shift, *gates)):
         return "addcmul modulation takes one modulation row a batch, not per-token rows"
     return None
+
+
+def quantized_form_reason(rows: Sequence[Segment], scale: Modulation, shift: Modulation) -> str | None:
+    """What the quantizing form (out as torchao's per-row float8) does not cover in these rows, or
+    None: it is built for one scale and shift for every row, one modulation row a batch (FLUX.1's
+    and FLUX.2's sites), no update or one, and D of 3072, 4096 or 6144."""
+    if type(scale) is tuple or type(shift) is tuple:
+        return "the quantizing form takes one scale and shift for every row"
+    if any(segment.update2 is not None for segment in rows):
+        return "the quantizing form takes one-term updates"
+    dim = rows[0].residual.shape[-1]
+    if dim not in QUANTIZED_DIMS:
+        return f"the quantizing form takes D of {', '.join(map(str, QUANTIZED_DIMS))}, got {dim}"
+    gates = [segment.gate for segment in rows if segment.gate is not None]
+    if any(isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] != 1 for t in (scale, shift, *gates)):
+        return "the quantizing form takes one modulation row a batch, not per-token rows"
+    return None
+
+
+def quantized_runtime_reason(residual: torch.Tensor) -> Reason:
+    """Kill switch, kernel build and the quantizing form's self-check for this (device, D, dtype);
+    its kernel is built for sm_89 and newer only."""
+    config = Config(residual.shape[-1], residual.dtype, "row")
+    return OP.unbuilt(residual.device, config) or runtime.runtime_reason(OP, residual.device, config)

@@ -39,46 +39,74 @@ def launch(
     update of a plain segment, the second update, the second segment and its own modulation,
     residual_out) is passed as None rather than as a stand-in tensor.
     """
+    gate, modulation, segments = _arguments(rows, scale, shift)
+    out = _empty(rows, (*gate, *modulation[:2]))
+    residual_out = _empty(rows, gate) if write_residual else None
+    jit.module_for(SPEC, out.device).gated_resnorm(
+        out, None, residual_out, *modulation, *segments, float(eps), bool(addcmul)
+    )
+    return out, residual_out
+
+
+def launch_quantized(
+    rows: Sequence[Segment], scale: torch.Tensor, shift: torch.Tensor, eps: float, *, write_residual: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The quantizing form of `launch` (one modulation row a batch, diffusers' rounding): (q, q_scale,
+    residual_out), q the e4m3fn bytes of torchao's per-row float8 of out (out's shape) and q_scale
+    its float32 scale a row ([..., 1]), as torchao's quantization of out would give them."""
+    gate, modulation, segments = _arguments(rows, scale, shift)
+    shape = _empty_shape(rows, (*gate, scale, shift))
+    device = rows[0].residual.device
+    q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+    q_scale = torch.empty((*shape[:-1], 1), dtype=torch.float32, device=device)
+    residual_out = _empty(rows, gate) if write_residual else None
+    jit.module_for(SPEC, device).gated_resnorm(
+        q, q_scale, residual_out, *modulation, *segments, float(eps), False
+    )
+    return q, q_scale, residual_out
+
+
+def _arguments(
+    rows: Sequence[Segment], scale: Modulation, shift: Modulation
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...], tuple[torch.Tensor | None, ...]]:
+    """The first segment's gate where it has one (for the outputs' shapes); the entry's modulation
+    arguments (scale, shift, scale1, shift1: the second segment's own, None where it shares the
+    first's); and the segments' (residual, update, update2, gate), the second's None where absent."""
     first = rows[0]
-    r0 = first.residual
-    gate_rows = () if first.gate is None else (first.gate,)
     scale1 = shift1 = None
     if type(scale) is tuple:  # one per segment
         if len(rows) == 2:
             (scale, scale1), (shift, shift1) = scale, shift
         else:
             (scale,), (shift,) = scale, shift
-
-    def empty(*modulation: torch.Tensor) -> torch.Tensor:
-        shape = _eager_shape(r0, *modulation)
-        if len(rows) == 1 and len(shape) == r0.dim():  # the residual's own shape: the cheapest call
-            return torch.empty_like(r0, memory_format=torch.contiguous_format)
-        tokens = sum(segment.residual.shape[-2] for segment in rows)
-        return r0.new_empty((*shape[:-2], tokens, shape[-1]))
-
-    out = empty(*gate_rows, scale, shift)
-    residual_out = empty(*gate_rows) if write_residual else None
+    gate_rows = () if first.gate is None else (first.gate,)
     if len(rows) == 2:
         other = rows[1]
         second = (other.residual, other.update, other.update2, other.gate)
     else:
         second = _NO_SEGMENT
-    jit.module_for(SPEC, r0.device).gated_resnorm(
-        out,
-        residual_out,
-        scale,
-        shift,
-        scale1,
-        shift1,
-        r0,
-        first.update,
-        first.update2,
-        first.gate,
-        *second,
-        float(eps),
-        bool(addcmul),
-    )
-    return out, residual_out
+    segments = (first.residual, first.update, first.update2, first.gate, *second)
+    return gate_rows, (scale, shift, scale1, shift1), segments
+
+
+def _empty_shape(rows: Sequence[Segment], modulation: Sequence[torch.Tensor]) -> torch.Size:
+    """The launch's output shape: eager's broadcast of the first segment's residual with the given
+    modulation rows (`_eager_shape`), over the tokens of every segment."""
+    r0 = rows[0].residual
+    shape = _eager_shape(r0, *modulation)
+    if len(rows) == 1:
+        return shape
+    tokens = sum(segment.residual.shape[-2] for segment in rows)
+    return torch.Size((*shape[:-2], tokens, shape[-1]))
+
+
+def _empty(rows: Sequence[Segment], modulation: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A fresh output of the launch's rows in the rows' dtype (`_empty_shape`)."""
+    r0 = rows[0].residual
+    shape = _empty_shape(rows, modulation)
+    if len(rows) == 1 and len(shape) == r0.dim():  # the residual's own shape: the cheapest call
+        return torch.empty_like(r0, memory_format=torch.contiguous_format)
+    return r0.new_empty(shape)
 
 
 def _eager_shape(stream: torch.Tensor, *modulation: torch.Tensor) -> torch.Size:

@@ -12,6 +12,7 @@ docs/numerics.md).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from dataclasses import dataclass
@@ -21,19 +22,22 @@ import torch
 from ..bits import bits_equal, random_bits
 from ..runtime import FusedOp
 from . import reference
-from .launch import SPEC, launch
-from .reference import Segment
+from .launch import SPEC, launch, launch_quantized
+from .reference import Modulation, Segment
 
 
 @dataclass(frozen=True)
 class Config:
-    """What one self-check verdict covers, with the device and the torch version."""
+    """What one self-check verdict covers, with the device and the torch version: the kernel for a
+    hidden size and dtype, or (`quantized="row"`) its quantizing form, out as torchao's per-row float8."""
 
     dim: int
     dtype: torch.dtype
+    quantized: str | None = None
 
     def __str__(self) -> str:
-        return f"D={self.dim} {str(self.dtype).removeprefix('torch.')}"
+        kind = f" quantized per {self.quantized}" if self.quantized else ""
+        return f"D={self.dim} {str(self.dtype).removeprefix('torch.')}{kind}"
 
 
 def _edge_rows(x: torch.Tensor, big: float, small: float) -> None:
@@ -114,6 +118,8 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
             noise[5],
         ),
     }
+    if config.quantized:
+        return _check_quantized(device, cases, (batch, tokens, dim, dtype))
     # Every case with diffusers' modulation, and those ComfyUI's rounding covers with it (aten's
     # addcmul: one rounding; one modulation row a batch, one-term updates, D <= 6144).
     from .guards import addcmul_reason  # the guards import this module's configurations
@@ -139,13 +145,61 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     )
 
 
+def _check_quantized(
+    device: torch.device, cases: dict[str, tuple[list[Segment], Modulation, Modulation]], shape: tuple
+) -> tuple[bool, str]:
+    """The quantizing form's verdict over the cases it takes (one modulation row a batch, no update
+    or one): its bytes and scales against torchao's quantization (`float8_quant.reference`, eager's
+    kernels) of eager's out, and its stream against eager's."""
+    from ..float8_quant import reference as float8_reference
+    from ..float8_quant.selfcheck import same
+    from .guards import quantized_form_reason  # the guards import this module's configurations
+
+    checked = 0
+    for name, (rows, sc, sh) in cases.items():
+        if quantized_form_reason(rows, sc, sh) is not None:
+            continue
+        checked += 1
+        gated = rows[0].gated
+        q, q_scale, residual_out = launch_quantized(rows, sc, sh, 1e-6, write_residual=gated)
+        ref_out, ref_stream = reference.segments(rows, sc, sh)
+        if gated and (residual_out is None or not bits_equal(residual_out, ref_stream)):
+            return False, f"{name}, quantized: residual_out differs from eager"
+        if not same((q, q_scale), float8_reference.quantize(ref_out, "row")):
+            return False, f"{name}: its quantization differs from torchao's of eager's out"
+    torch.cuda.synchronize(device)
+    batch, tokens, dim, dtype = shape
+    return True, (
+        f"{checked} quantizing cases x [{batch}, {tokens}, {dim}] {dtype} (per-batch and broadcast "
+        "modulation, two segments), random + edge rows + random bits, against torchao's per-row float8"
+    )
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability, asked once (the quantizing form's guard asks on every call)."""
+    return torch.cuda.get_device_capability(device)
+
+
+def unbuilt(device: torch.device, config: Config) -> str | None:
+    """The quantizing form is built for sm_89 and newer only (the GPUs with float8 GEMMs): why not
+    here, or None."""
+    if config.quantized and _capability(device) < (8, 9):
+        return "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
+    return None
+
+
 # 3072: FLUX.1, FLUX.2 klein-4B and FLUX.3 (24 heads x 128); 4096: klein-9B; 6144: FLUX.2 dev.
 VERIFY_DIMS = (3072, 4096, 6144, 8192, 16384, 4100)  # 4100 % 512 == 4: a partial last pass of the row
+# The quantizing form's hidden sizes (FLUX.1/FLUX.2's): one instantiation each.
+QUANTIZED_DIMS = (3072, 4096, 6144)
 OP = FusedOp(
     name="gated_resnorm",
     spec=SPEC,
     self_check=self_check,
     verify_configs=tuple(
         Config(dim, dtype) for dim in VERIFY_DIMS for dtype in (torch.bfloat16, torch.float16)
-    ),
+    )
+    + tuple(Config(dim, dtype, "row") for dim in QUANTIZED_DIMS for dtype in (torch.bfloat16, torch.float16)),
+    unbuilt=unbuilt,
 )
