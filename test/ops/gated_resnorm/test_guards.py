@@ -814,60 +814,57 @@ def _comfyui_rows(dim: int = 3072, tokens: int = 5) -> tuple[list, torch.Tensor,
     return [gated_resnorm.Segment(residual, update, gate)], scale, shift
 
 
-# What each change to ComfyUI's site makes `addcmul_reason` say.
-ADDCMUL_CASES = {
-    "per-token": "addcmul modulation takes one modulation row a batch, not per-token rows",
-    "update2": "addcmul modulation takes one-term updates",
-    "wide": "addcmul modulation takes D up to 6144, got 8192",
-    "per-segment": "addcmul modulation takes one scale and shift for every row",
-}
-
-
-@pytest.mark.parametrize(("change", "reason"), ADDCMUL_CASES.items())
-def test_addcmul_declines_what_comfyuis_sites_do_not_use(change: str, reason: str) -> None:
-    """ComfyUI's modulation rounding is built for its FLUX.2 sites only; anything else declines with
-    a reason (its eager chain, `reference`, runs instead)."""
-    rows, scale, shift = _comfyui_rows(8192 if change == "wide" else 3072)
+def _site_with(change: str) -> tuple[list, gated_resnorm.Modulation, gated_resnorm.Modulation]:
+    """A FLUX.2 site (`_comfyui_rows`) with one change: per-token scale rows, a per-token gate, a
+    second update, another width ("wide" 8192, "other width" 2048), or a modulation per segment."""
+    dim = {"wide": 8192, "other width": 2048}.get(change, 3072)
+    rows, scale, shift = _comfyui_rows(dim)
+    segment = rows[0]
     if change == "per-token":
-        scale = torch.randn(2, 5, 3072)
-    elif change == "update2":
-        segment = rows[0]
-        rows = [gated_resnorm.Segment(segment.residual, segment.update, segment.gate, update2=segment.update)]
-    elif change == "per-segment":
-        scale, shift = (scale,), (shift,)
-    assert gated_resnorm.addcmul_reason(rows, scale, shift) == reason
-    assert gated_resnorm.decline_reason(rows, scale, shift, addcmul=True) == reason
-    assert gated_resnorm.addcmul_reason(*_comfyui_rows()) is None
-
-
-# What each change to a FLUX.2 site makes the quantizing form's `quantized_form_reason` say.
-QUANTIZED_CASES = {
-    "per-token": "the quantizing form takes one modulation row a batch, not per-token rows",
-    "per-token gate": "the quantizing form takes one modulation row a batch, not per-token rows",
-    "update2": "the quantizing form takes one-term updates",
-    "other width": "the quantizing form takes D of 3072, 4096, 6144, got 2048",
-    "per-segment": "the quantizing form takes one scale and shift for every row",
-}
-
-
-@pytest.mark.parametrize(("change", "reason"), QUANTIZED_CASES.items())
-def test_the_quantizing_form_declines_what_flux2s_sites_do_not_use(change: str, reason: str) -> None:
-    """The quantizing form (out as torchao's per-row float8) is built for FLUX.1/FLUX.2's sites:
-    anything else declines with a reason, and the caller computes out."""
-    rows, scale, shift = _comfyui_rows(2048 if change == "other width" else 3072)
-    if change == "per-token":
-        scale = torch.randn(2, 5, 3072)
+        scale = torch.randn(2, 5, dim)
     elif change == "per-token gate":
-        segment = rows[0]
-        rows = [gated_resnorm.Segment(segment.residual, segment.update, torch.randn(2, 5, 3072))]
+        rows = [gated_resnorm.Segment(segment.residual, segment.update, torch.randn(2, 5, dim))]
     elif change == "update2":
-        segment = rows[0]
         rows = [gated_resnorm.Segment(segment.residual, segment.update, segment.gate, update2=segment.update)]
     elif change == "per-segment":
         scale, shift = (scale,), (shift,)
-    assert guards.quantized_form_reason(rows, scale, shift) == reason
-    assert gated_resnorm.quantized_reason(rows, scale, shift) == reason
-    assert gated_resnorm.quantized(rows, scale, shift, 1e-6, write_residual=True) is None
+    return rows, scale, shift
+
+
+# What each change to a FLUX.2 site makes the reason of a narrower form say: ComfyUI's modulation
+# rounding (`addcmul_reason`) and the quantizing form (`quantized_form_reason`).
+FORM_CASES = {
+    ("addcmul", "per-token"): "addcmul modulation takes one modulation row a batch, not per-token rows",
+    ("addcmul", "update2"): "addcmul modulation takes one-term updates",
+    ("addcmul", "wide"): "addcmul modulation takes D up to 6144, got 8192",
+    ("addcmul", "per-segment"): "addcmul modulation takes one scale and shift for every row",
+    ("quantized", "per-token"): "the quantizing form takes one modulation row a batch, not per-token rows",
+    (
+        "quantized",
+        "per-token gate",
+    ): "the quantizing form takes one modulation row a batch, not per-token rows",
+    ("quantized", "update2"): "the quantizing form takes one-term updates",
+    ("quantized", "other width"): "the quantizing form takes D of 3072, 4096, 6144, got 2048",
+    ("quantized", "per-segment"): "the quantizing form takes one scale and shift for every row",
+}
+
+
+@pytest.mark.parametrize(("form", "change"), FORM_CASES)
+def test_narrower_forms_decline_what_their_sites_do_not_use(form: str, change: str) -> None:
+    """ComfyUI's modulation rounding is built for its FLUX.2 sites, the quantizing form (out as
+    torchao's per-row float8) for FLUX.1/FLUX.2's: anything else declines with a reason, and the
+    caller runs the eager chain (`reference`) or computes out for the Linear to quantize."""
+    rows, scale, shift = _site_with(change)
+    reason = FORM_CASES[form, change]
+    if form == "addcmul":
+        assert gated_resnorm.addcmul_reason(rows, scale, shift) == reason
+        assert gated_resnorm.decline_reason(rows, scale, shift, addcmul=True) == reason
+        assert gated_resnorm.addcmul_reason(*_comfyui_rows()) is None
+    else:
+        assert guards.quantized_form_reason(rows, scale, shift) == reason
+        assert gated_resnorm.quantized_reason(rows, scale, shift) == reason
+        assert gated_resnorm.quantized(rows, scale, shift, 1e-6, write_residual=True) is None
+        assert guards.quantized_form_reason(*_comfyui_rows()) is None
 
 
 @pytest.mark.parametrize("dim", [3072, 4096, 6144])
@@ -888,8 +885,7 @@ def test_the_quantizing_form_takes_flux2s_sites_on_a_gpu_only(dim: int) -> None:
 
 def test_every_decline_reason_in_the_module_has_a_case() -> None:
     produced = [case.reason for case in CASES.values()] + [reason for _, reason, _ in RUNTIME_CASES.values()]
-    produced += list(ROWS_CASES.values()) + list(ADDCMUL_CASES.values()) + test_runtime.REASONS
-    produced += list(QUANTIZED_CASES.values())
+    produced += list(ROWS_CASES.values()) + list(FORM_CASES.values()) + test_runtime.REASONS
     templates = reason_templates(gated_resnorm, guards, verdicts, runtime)
     assert len(templates) >= 15  # the walk found the reasons at all
     missing = untested(templates, produced)
