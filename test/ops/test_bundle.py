@@ -165,10 +165,11 @@ def modules(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     return {path.name: path for path in (folder / "flux2_fused/ops/prebuilt").iterdir()}
 
 
-def test_the_wheel_is_a_platform_wheel_under_24_mb(wheel: Path, modules: dict[str, Path]) -> None:
-    """Five ops for six architectures and a PTX: about 21 MB."""
+def test_the_wheel_is_a_platform_wheel_under_27_mb(wheel: Path, modules: dict[str, Path]) -> None:
+    """Six ops for six architectures and a PTX: about 26 MB (24.4 MB before gated_resnorm's
+    quantizing form, whose twelve kernels add 1.7 MB)."""
     assert wheel.name.endswith(f"-py3-none-{bundle.PLATFORM}.whl")
-    assert wheel.stat().st_size <= 24 * 2**20
+    assert wheel.stat().st_size <= 27 * 2**20
     manifest = json.loads(modules[jit.BUNDLE_MANIFEST].read_text())
     assert set(manifest["modules"]) == {op.name for op in OPS}
     for op in OPS:
