@@ -4,7 +4,8 @@
 #                          [diffusers-step-bench] [diffusers-step-bench-dev] [pipeline-bench]
 #                          [baseline-kernel-bench] [baseline-step-bench] [parallel-bench] [pytest:ARGS]
 #                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang] [scan] [float8-compile] [clocks]
-#                          [timeline] [flux3] [qwen] [zimage] [fp8] [comfyui] [comfyui-tests] [comfyui-dev] [comfyui-flux1]
+#                          [timeline] [flux3] [qwen] [zimage] [fp8] [steady] [comfyui] [comfyui-tests] [comfyui-dev]
+#                          [comfyui-flux1]
 #                          [script:PATH ARGS]
 #                          [step:OPTIONS]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
@@ -174,6 +175,19 @@ for step in "$@"; do
       step_bench step-fp8-row --configs klein-4b --host diffusers --quantize float8-row --floor --vs-compile both || rc=1
       step_bench step-fp8-tensor --configs klein-4b --host diffusers --quantize float8-tensor --floor || rc=1
       step_bench step-fp8-dev --configs dev --host diffusers --quantize float8-row --floor ${FP8_DEV_ARGS:-} || rc=1 ;;
+    steady)  # each mode at its own settled clock (step --block N --lead-in N, 3 rounds): the FP8
+      # targets (klein-4B per row and per tensor, dev per row), then bf16 klein-4B and FLUX.3 [klein]
+      # on diffusers with their floors; STEADY_KLEIN (default 30) and STEADY_DEV (8) steps a block
+      k=${STEADY_KLEIN:-30} d=${STEADY_DEV:-8}
+      step_bench step-steady-fp8-row --configs klein-4b --host diffusers --quantize float8-row --floor \
+        --block "$k" --lead-in "$k" --steps 3 || rc=1
+      step_bench step-steady-fp8-tensor --configs klein-4b --host diffusers --quantize float8-tensor --floor \
+        --block "$k" --lead-in "$k" --steps 3 || rc=1
+      step_bench step-steady-fp8-dev --configs dev --host diffusers --quantize float8-row --floor \
+        --block "$d" --lead-in "$d" --steps 3 || rc=1
+      step_bench step-steady-klein --configs klein-4b --host diffusers --floor --block "$k" --lead-in "$k" --steps 3 || rc=1
+      step_bench step-steady-flux3 --config flux3-klein --host diffusers --floor --block "$k" --lead-in "$k" \
+        --steps 3 || rc=1 ;;
     comfyui-dev)
       comfyui_core
       step_bench step-comfyui-dev --config dev --host comfyui --floor ${COMFYUI_ARGS:-} || rc=1 ;;
