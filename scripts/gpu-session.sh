@@ -52,10 +52,12 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, tvm_ffi; print('torch', torch.__version__, 'tvm_ffi', tvm_ffi.__version__, 'gpus', torch.cuda.device_count())"
 # One step benchmark run: a name for its log and JSON, then its options.
-# STEP_TIMEOUT (seconds) ends a run that takes longer, so the runs after it still get their turn.
+# STEP_TIMEOUT (seconds) ends a run that takes longer, so the runs after it still get their turn;
+# STEP_LOG names one log that the runs append to instead of a log each.
 step_bench() {
   local name=$1; shift
-  timeout "${STEP_TIMEOUT:-0}" python3 -m flux2_fused step --json "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.log"
+  timeout "${STEP_TIMEOUT:-0}" python3 -m flux2_fused step --json "$OUT/$name.json" "$@" 2>&1 |
+    tee -a "${STEP_LOG:-$OUT/$name.log}"
 }
 # ComfyUI's core, unpacked once from the carried .whl/comfyui-core.tgz, for the comfyui steps.
 comfyui_core() {
@@ -177,17 +179,17 @@ for step in "$@"; do
       step_bench step-fp8-dev --configs dev --host diffusers --quantize float8-row --floor ${FP8_DEV_ARGS:-} || rc=1 ;;
     steady)  # each mode at its own settled clock (step --block N --lead-in N, 3 rounds): the FP8
       # targets (klein-4B per row and per tensor, dev per row), then bf16 klein-4B and FLUX.3 [klein]
-      # on diffusers with their floors; STEADY_KLEIN (default 30) and STEADY_DEV (8) steps a block
-      k=${STEADY_KLEIN:-30} d=${STEADY_DEV:-8}
-      step_bench step-steady-fp8-row --configs klein-4b --host diffusers --quantize float8-row --floor \
-        --block "$k" --lead-in "$k" --steps 3 || rc=1
-      step_bench step-steady-fp8-tensor --configs klein-4b --host diffusers --quantize float8-tensor --floor \
-        --block "$k" --lead-in "$k" --steps 3 || rc=1
-      step_bench step-steady-fp8-dev --configs dev --host diffusers --quantize float8-row --floor \
-        --block "$d" --lead-in "$d" --steps 3 || rc=1
-      step_bench step-steady-klein --configs klein-4b --host diffusers --floor --block "$k" --lead-in "$k" --steps 3 || rc=1
-      step_bench step-steady-flux3 --config flux3-klein --host diffusers --floor --block "$k" --lead-in "$k" \
-        --steps 3 || rc=1 ;;
+      # on diffusers with their floors; STEADY_KLEIN (default 30) and STEADY_DEV (8) steps a block;
+      # STEADY_RUNS picks some of fp8-row fp8-tensor fp8-dev klein flux3 (default all); one log, steady.log
+      k=${STEADY_KLEIN:-30} d=${STEADY_DEV:-8} steady_runs=" ${STEADY_RUNS:-fp8-row fp8-tensor fp8-dev klein flux3} "
+      export STEP_LOG=$OUT/steady.log
+      steady_run() { [[ $steady_runs == *" $1 "* ]] || return 0; step_bench "step-steady-$1" "${@:2}" --floor --steps 3 || rc=1; }
+      steady_run fp8-row --configs klein-4b --host diffusers --quantize float8-row --block "$k" --lead-in "$k"
+      steady_run fp8-tensor --configs klein-4b --host diffusers --quantize float8-tensor --block "$k" --lead-in "$k"
+      steady_run fp8-dev --configs dev --host diffusers --quantize float8-row --block "$d" --lead-in "$d"
+      steady_run klein --configs klein-4b --host diffusers --block "$k" --lead-in "$k"
+      steady_run flux3 --config flux3-klein --host diffusers --block "$k" --lead-in "$k"
+      unset STEP_LOG ;;
     comfyui-dev)
       comfyui_core
       step_bench step-comfyui-dev --config dev --host comfyui --floor ${COMFYUI_ARGS:-} || rc=1 ;;
