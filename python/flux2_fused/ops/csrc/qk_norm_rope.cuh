@@ -71,7 +71,9 @@ constexpr int kRowsInFlight = 4;  // units (row pairs) a warp loads in one round
 // block at (3 units, 7 blocks), which beat (6, 5), (4, 6), (3, 6), (2, 8), (3, 8) and (2, 9).
 // Staging the token in shared memory (cp.async, or TMA bulk copies, also double-buffered across
 // tokens by persistent blocks) was 3-12% slower: the loads go out no faster, and the block waits
-// for all of them before it computes any.
+// for all of them before it computes any. A grid of the resident blocks, each an even share of all
+// tokens' row pairs (no partial wave), was 17-26% slower: its per-pair cursor adds instructions to
+// a kernel that is 60% issue-busy, and each new token waits on its tables (docs/measurements.md).
 constexpr int kMinBlocks = 10;
 constexpr int kTensors = 3;       // q, k, v
 
