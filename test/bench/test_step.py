@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from flux2_fused.bench.results.pipeline import PipelineResult, format_pipeline_t
 from flux2_fused.bench.results.step import StepResult, format_step_table
 from flux2_fused.bench.results.tables import KERNEL_CLASSES, SITES, Breakdown, Paired, Timing
 from flux2_fused.bench.results.verify import VerifyRow, format_verify
-from flux2_fused.bench.step import _pair_order, breakdown_of, busy_pct, shapes
+from flux2_fused.bench.step import _pair_order, breakdown_of, busy_pct, host_ms, shapes
 from flux2_fused.cli import build_parser
 from flux2_fused.ops import FUSED_KERNELS
 
@@ -178,6 +179,7 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
         width=1360,
         height=768,
         busy_pct={"eager": 96.84, "fused": 99.12, "compiled": 98.5},
+        host_ms={"eager": 80.123, "fused": 46.0, "compiled": 1.5},
         compiled_ms=11.0,
         compiled_vs_fused=Paired.of([11.5, 10.5], [10.0, 10.0]),  # +1.0, sd 0.71 over 2 pairs
         compiled_sha256="d" * 64,
@@ -194,21 +196,23 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     table = format_step_table([step, on_diffusers, scanned], "NVIDIA H200", "2.11.0")
     timings, breakdown = table.split("\n\n")
     assert "eager = diffusers' own forward, fused = enable(model)" in timings
-    assert _table_widths(timings) == {21}
+    assert _table_widths(timings) == {22}
     assert "| fused vs compiled: paired gain ms (95% CI), fused won |" in timings
     assert (
-        "| klein-4b | package | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% | - | - | - | - | - | - |"
-        in timings
+        "| klein-4b | package | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% "
+        "| - | - | - | - | - | - | - |" in timings
     )
     assert "| klein-4b | diffusers (LoRA r16, model offload) | 1 | 4096+512 | synchronized |" in timings
     # The compile column's paired gain: mean 1.00 ms, 95% CI 1.96 * 0.71 / sqrt(2), both pairs won.
     assert (
         "| klein-4b | package | 4 | 1360x768 (4080+512) | pipelined | 11.00 | 10.00 | +10.0% "
         "| 11.00 (+10.0%) | +1.00 +- 0.98, 2/2 | 10.50 (+4.8%) | 8.00 (+25.0%), bit-exact | 8.00 (+25.0%) "
-        "| eager 96.8 / fused 99.1 / compiled 98.5 | +1.00 +- 0.00 | 2/2 |" in timings
+        "| eager 96.8 / fused 99.1 / compiled 98.5 | eager 80.12 / fused 46.00 / compiled 1.50 "
+        "| +1.00 +- 0.00 | 2/2 |" in timings
     )
     assert (
-        "| 1360x768 (4080+512) | synchronized | 11.00 | 10.00 | +10.0% | - | - | - | - | - | - |" in timings
+        "| 1360x768 (4080+512) | synchronized | 11.00 | 10.00 | +10.0% | - | - | - | - | - | - | - |"
+        in timings
     )
     assert _table_widths(breakdown) == {13}
     assert (
@@ -267,6 +271,24 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
         "2.11",
     )
     assert _table_widths(table) == {7} and table.endswith("1 of 1 FAILED") and "| cache, sm 9.0 |" in table
+
+
+def test_host_ms_times_the_issue_of_each_step_after_a_sync_and_takes_the_median() -> None:
+    """Each step is timed from a synchronize to its return, the GPU never waited for inside the
+    timing: a step's own sleep counts, the syncs do not."""
+    events: list[str] = []
+    issue_ms = iter([1.0, 30.0, 2.0, 3.0, 2.5])
+
+    def step() -> None:
+        events.append("step")
+        time.sleep(next(issue_ms) / 1e3)
+
+    def sync() -> None:
+        events.append("sync")
+        time.sleep(0.05)  # never inside a timed interval, or every figure would exceed 50 ms
+
+    assert 2.5 <= host_ms(step, steps=5, sync=sync) < 30.0
+    assert events == ["sync", "step"] * 5 + ["sync"]
 
 
 @pytest.mark.parametrize(
@@ -369,6 +391,7 @@ def test_a_scan_row_on_the_gpu() -> None:
     assert set(rows[1].busy_pct) == modes and rows[1].compiled_ms > 0 and rows[1].compiled_fused_ms > 0
     assert rows[1].graph_bit_exact and rows[1].graph_ms > 0 and rows[0].graph_ms is None
     assert all(0 < pct <= 100 for r in rows for pct in r.busy_pct.values())
+    assert all(set(r.host_ms) == set(r.busy_pct) and all(ms > 0 for ms in r.host_ms.values()) for r in rows)
     assert rows[1].compiled_sha256 is not None and rows[1].compiled_fused_sha256 is not None
     # The floor replays the fused step's GEMMs and attention: the same launches, nothing else.
     floor, fused = rows[1].floor_profile, rows[1].fused_profile

@@ -33,6 +33,8 @@ the rest.
 
 Each mode's GPU busy % comes from a few pipelined steps under torch.profiler (`pipelined_busy_pct`):
 the share of their span the GPU spent in a kernel, copy or memset; below 100 it waited for the host.
+Its host ms is the CPU time Python takes to issue one step (`host_ms`): where it reaches the
+pipelined step time, the host, not the GPU, sets the pace.
 With --vs-compile a third mode, `torch.compile(model)` running the eager forward, takes turns with
 eager and fused in the pipelined timing: the three in one run, reported as the compiled step's
 median, its paired difference from the fused step (each round's two steps a pair, as eager's) with
@@ -63,6 +65,7 @@ import functools
 import gc
 import hashlib
 import statistics
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -188,6 +191,22 @@ def pipelined_busy_pct(step: Callable[[], object], steps: int = 5) -> float:
     step()
     events = cuda_events(lambda: [step() for _ in range(steps)])
     return busy_pct((e.time_range.start, e.time_range.end) for e in events)
+
+
+def host_ms(
+    step: Callable[[], object], steps: int = 5, sync: Callable[[], None] = torch.cuda.synchronize
+) -> float:
+    """Median CPU time (ms) to issue one step: each call starts with the GPU idle (after `sync`) and
+    is not waited for, so the figure is the host's work alone (a step that waits for the GPU inside
+    counts the wait: then the host cannot run ahead either)."""
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        step()
+        times.append(1e3 * (time.perf_counter() - start))
+    sync()
+    return statistics.median(times)
 
 
 def sample(out: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
@@ -393,7 +412,7 @@ def bench_size(
     in turn with the other modes asked for: torch.compile of the eager forward with `vs_compile`
     "eager", and of the fused one too with "both"; the fused step replayed from a CUDA graph with
     `graph`; its GEMM and attention calls alone with `floor`, `bench.floor`), their kernel
-    breakdowns and each mode's GPU busy %; `size` (width, height) pixels gives `img_tokens` their
+    breakdowns and each mode's GPU busy % and host ms; `size` (width, height) pixels gives `img_tokens` their
     layout; the pipelined modes run in blocks of `block` timed steps, each after `lead_in` untimed
     ones (`timing.without_lead_ins`)."""
     width_tokens = None if size is None else size[0] // PX_PER_TOKEN
@@ -434,6 +453,7 @@ def bench_size(
         fused_profile = kernel_breakdown(runs["fused"])
         floor_profile = kernel_breakdown(runs["floor"]) if floor else None
         busy = {mode: pipelined_busy_pct(step) for mode, step in runs.items()}
+        host = {mode: host_ms(step) for mode, step in runs.items()}
 
     def median(mode: str) -> float | None:
         return statistics.median(times[mode]) if mode in times else None
@@ -465,6 +485,7 @@ def bench_size(
         width=None if size is None else size[0],
         height=None if size is None else size[1],
         busy_pct=busy,
+        host_ms=host,
         compiled_ms=median("compiled"),
         compiled_vs_fused=vs_compiled,
         compiled_sha256=sha256("compiled"),

@@ -52,6 +52,9 @@ class StepResult:
       GPU's busy share (%) of a few pipelined steps under torch.profiler: the union of its kernels,
       copies and memsets over the span from the first start to the last end; below 100 the GPU
       waited for the host (the profiler's own launch overhead included)
+    - host_ms: by mode, as busy_pct, the median CPU time (ms) Python takes to issue one step, each
+      started with the GPU idle and not waited for; where it reaches the pipelined step time, the
+      host sets the pace, not the GPU
     - compiled_ms: with --vs-compile, the median pipelined step of torch.compile(model) running the
       eager forward, timed in turn with the eager and fused steps of `pipelined`; else null
     - compiled_vs_fused: with --vs-compile, Paired of those compiled steps against the fused steps of
@@ -100,6 +103,7 @@ class StepResult:
     width: int | None = None
     height: int | None = None
     busy_pct: dict[str, float] = field(default_factory=dict)
+    host_ms: dict[str, float] = field(default_factory=dict)
     compiled_ms: float | None = None
     compiled_vs_fused: Paired | None = None
     compiled_sha256: str | None = None
@@ -156,6 +160,7 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
         "CUDA graph ms (vs fused)",
         "GEMM + attention alone ms (fused above it)",
         "GPU busy %",
+        "host ms a step",
         "paired gain ms (95% CI)",
         "fused won",
         "kernels/step eager -> fused",
@@ -186,6 +191,7 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
             if pipelined and r.floor_ms is not None:
                 floor = f"{r.floor_ms:.2f} ({100 * (t.fused_ms / r.floor_ms - 1):+.1f}%)"
             busy = " / ".join(f"{m} {pct:.1f}" for m, pct in r.busy_pct.items()) if pipelined else "-"
+            host = " / ".join(f"{m} {ms:.2f}" for m, ms in r.host_ms.items()) if pipelined else "-"
             rows.append(
                 [
                     r.config,
@@ -202,6 +208,7 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
                     graph,
                     floor,
                     busy or "-",
+                    host or "-",
                     gain_text(t.paired_diff_ms, t.paired_ci95_ms),
                     f"{t.fused_won}/{pairs}",
                     f"{r.eager_kernels} -> {r.fused_kernels}",
