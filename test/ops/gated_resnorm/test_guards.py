@@ -883,6 +883,21 @@ def test_the_quantizing_form_takes_flux2s_sites_on_a_gpu_only(dim: int) -> None:
         assert gated_resnorm.quantized(case, scale, shift, 1e-6, write_residual=True) is None
 
 
+def test_the_quantizing_forms_reason_follows_its_call() -> None:
+    """`quantized_reason` asks what `quantized` asks: two plain segments are the kernel's when it need
+    not write their concat (on the CPU the device then declines), and malformed rows get their
+    reason rather than an error."""
+    rows, scale, shift = _comfyui_rows()
+    plain = [gated_resnorm.Segment(rows[0].residual), gated_resnorm.Segment(torch.randn(2, 3, 3072))]
+    concat = "the kernel writes no concat of plain rows"
+    assert gated_resnorm.quantized_reason(plain, scale, shift) == concat
+    assert gated_resnorm.quantized_reason(plain, scale, shift, write_residual=True) == concat
+    without = gated_resnorm.quantized_reason(plain, scale, shift, write_residual=False)
+    assert without == "tensors are on cpu, the fused kernel needs CUDA"
+    assert gated_resnorm.quantized_reason([], scale, shift) == "a launch takes one or two segments, got 0"
+    assert gated_resnorm.quantized([], scale, shift, 1e-6, write_residual=True) is None
+
+
 def test_every_decline_reason_in_the_module_has_a_case() -> None:
     produced = [case.reason for case in CASES.values()] + [reason for _, reason, _ in RUNTIME_CASES.values()]
     produced += list(ROWS_CASES.values()) + list(FORM_CASES.values()) + test_runtime.REASONS

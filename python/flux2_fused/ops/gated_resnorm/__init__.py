@@ -230,9 +230,13 @@ def apply(
     return result if result is not None else reference.segments(rows, scale, shift, eps, addcmul=addcmul)
 
 
-def quantized_reason(rows: Sequence[Segment], scale: Modulation, shift: Modulation) -> str | None:
-    """Why `quantized(rows, scale, shift, ...)` declines, or None when it launches the kernel."""
-    reason = quantized_form_reason(rows, scale, shift) or decline_reason(rows, scale, shift)
+def quantized_reason(
+    rows: Sequence[Segment], scale: Modulation, shift: Modulation, *, write_residual: bool = True
+) -> str | None:
+    """Why `quantized(rows, scale, shift, ..., write_residual=write_residual)` declines, or None when
+    it launches the kernel, in `quantized`'s order of checks."""
+    reason = _rows_reason(rows, scale, shift, write_residual) or quantized_form_reason(rows, scale, shift)
+    reason = reason or decline_reason(rows, scale, shift, write_residual=write_residual)
     return reason or quantized_runtime_reason(rows[0].residual)
 
 
