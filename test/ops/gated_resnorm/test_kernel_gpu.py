@@ -641,3 +641,37 @@ def test_quantized_form_self_check_and_declines(gen):
     reason = op.quantized_reason([Segment(wide)], wide[:, :1], wide[:, :1])
     assert reason == "the quantizing form takes D of 3072, 4096, 6144, got 8192"
     assert runtime.runtime_reason(op.OP, residual.device, op.Config(3072, torch.bfloat16, "row")) is None
+
+
+def test_the_entry_refuses_outputs_it_would_write_out_of_place() -> None:
+    """The C++ entry writes out, residual_out and the quantizing form's bytes densely, a row every D
+    elements: outputs that are not contiguous, or not of the type written, are refused before
+    anything launches (Python's launchers allocate them; this guards direct calls)."""
+    from flux2_fused.ops import jit
+    from flux2_fused.ops.gated_resnorm.launch import SPEC
+
+    module = jit.module_for(SPEC, torch.device("cuda"))
+    dim = 3072
+    residual, update = (torch.randn(1, 8, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    shift, scale, gate = torch.randn(1, 1, 3 * dim, device="cuda", dtype=torch.bfloat16).chunk(3, dim=-1)
+    tail = (scale, shift, None, None, residual, update, None, gate, None, None, None, None, 1e-6, False)
+    good = torch.empty_like(residual)
+    strided = torch.empty(1, 8, 2 * dim, device="cuda", dtype=torch.bfloat16)[..., :dim]
+    cases = [
+        ("contiguous", (strided, None, None)),
+        ("contiguous", (good, None, strided)),
+        ("dtype", (good, None, torch.empty_like(residual, dtype=torch.float16))),
+        (
+            "float8_e4m3fn",
+            (
+                torch.empty(1, 8, dim, device="cuda", dtype=torch.int8),
+                torch.empty(1, 8, 1, device="cuda"),
+                None,
+            ),
+        ),
+    ]
+    for words, outputs in cases:
+        with pytest.raises(Exception, match=words):
+            module.gated_resnorm(*outputs, *tail)
+    module.gated_resnorm(good, None, torch.empty_like(residual), *tail)  # the same call, well formed
+    torch.cuda.synchronize()

@@ -166,11 +166,14 @@ void run(TensorView out, Optional<TensorView> q_scale, Optional<TensorView> resi
   const int64_t tokens = out.size(-2);
   const int64_t batch = out.ndim() == 3 ? out.size(0) : 1;
   TVM_FFI_ICHECK(dim % 4 == 0 && dim > 0) << "D must be a positive multiple of 4";
-  if (residual_out.has_value()) {
+  const DLDataType rows_dtype = r0.dtype();
+  if (residual_out.has_value()) {  // written densely, a row every D elements of the rows' dtype
     const TensorView& ro = *residual_out;
+    const DLDataType d = ro.dtype();
     TVM_FFI_ICHECK((ro.ndim() == 2 || ro.ndim() == 3) && ro.size(-1) == dim && ro.size(-2) == tokens &&
-                   (ro.ndim() == 2 || ro.size(0) == batch))
-        << "residual_out must have out's rows";
+                   (ro.ndim() == 2 || ro.size(0) == batch) && ro.IsContiguous() && d.code == rows_dtype.code &&
+                   d.bits == rows_dtype.bits && d.lanes == rows_dtype.lanes)
+        << "residual_out must be contiguous, with out's rows and the rows' dtype";
   }
   TVM_FFI_ICHECK(scale1.has_value() == shift1.has_value() && (r1.has_value() || !scale1.has_value()))
       << "the second segment's scale and shift come together, and only with a second segment";
@@ -207,14 +210,18 @@ void run(TensorView out, Optional<TensorView> q_scale, Optional<TensorView> resi
   p.rows_per_batch = tokens;
   if (q_scale.has_value()) {
     const TensorView qs = *q_scale;
-    TVM_FFI_ICHECK(out.dtype().bits == 8 && out.IsContiguous() && qs.dtype().code == kDLFloat &&
-                   qs.dtype().bits == 32 && qs.IsContiguous() && qs.numel() == batch * tokens)
-        << "the quantizing form's out must be contiguous bytes and q_scale a float32 a row";
+    const DLDataType o = out.dtype();
+    TVM_FFI_ICHECK(o.code == kDLFloat8_e4m3fn && o.bits == 8 && o.lanes == 1 && out.IsContiguous() &&
+                   qs.dtype().code == kDLFloat && qs.dtype().bits == 32 && qs.IsContiguous() &&
+                   qs.numel() == batch * tokens)
+        << "the quantizing form's out must be contiguous float8_e4m3fn and q_scale a float32 a row";
     p.q = data<uint8_t>(out);
     p.q_scale = data<float>(qs);
   } else {
-    const DLDataType o = out.dtype(), r = r0.dtype();
-    TVM_FFI_ICHECK(o.code == r.code && o.bits == r.bits && o.lanes == r.lanes) << "out must have the rows' dtype";
+    const DLDataType o = out.dtype();
+    TVM_FFI_ICHECK(o.code == rows_dtype.code && o.bits == rows_dtype.bits && o.lanes == rows_dtype.lanes &&
+                   out.IsContiguous())
+        << "out must be contiguous, in the rows' dtype";
     p.out = data<T>(out);
   }
   p.residual_out = residual_out.has_value() ? data<T>(*residual_out) : nullptr;
