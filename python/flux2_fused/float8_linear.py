@@ -35,6 +35,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -85,10 +86,7 @@ def _recipe(weight: Any) -> tuple[str, Any] | None:
     weight."""
     if not is_float8(weight):
         return None
-    from torchao.quantization.granularity import PerRow, PerTensor
-    from torchao.quantization.quantize_.workflows.float8.float8_tensor import KernelPreference
-    from torchao.utils import _is_mslk_available
-
+    ao = _torchao()
     kwargs = weight.act_quant_kwargs
     if kwargs is None or kwargs.float8_dtype != torch.float8_e4m3fn:
         return None
@@ -97,22 +95,48 @@ def _recipe(weight: Any) -> tuple[str, Any] | None:
     granularity = kwargs.granularity
     # PerRow over the last dim only: torchao applies the granularity to the activation, so another
     # dim (PerRow(1) on a [B, S, K] input) scales across tokens, not rows
-    if type(granularity) is PerRow and granularity.dim == -1:
+    if type(granularity) is ao.PerRow and granularity.dim == -1:
         kind = "row"
-    elif type(granularity) is PerTensor:
+    elif type(granularity) is ao.PerTensor:
         kind = "tensor"
     else:
         return None
     # torchao quantizes the input by the recipe's preference and picks the GEMM by the weight's: both
     # must be one that takes the torch path (not MSLK, not EMULATED, which its GEMM refuses)
     preference = kwargs.kernel_preference
-    if preference not in (KernelPreference.TORCH, KernelPreference.AUTO):
+    if preference not in (ao.KernelPreference.TORCH, ao.KernelPreference.AUTO):
         return None
     if weight.kernel_preference != preference:
         return None
-    if preference == KernelPreference.AUTO and kind == "row" and _installed(_is_mslk_available):
+    if preference == ao.KernelPreference.AUTO and kind == "row" and _installed(ao.utils._is_mslk_available):
         return None  # torchao quantizes with mslk's Triton kernel there: other arithmetic
     return kind, kwargs
+
+
+@functools.cache
+def _torchao() -> SimpleNamespace:
+    """What this module uses of torchao, imported once (by the first float8 weight seen: torchao need
+    not be installed): an import statement costs a Linear's call a microsecond or more each time."""
+    import torchao
+    import torchao.utils
+    from torchao.float8.inference import (
+        addmm_float8_unwrapped_inference,
+        preprocess_data,
+        preprocess_scale,
+    )
+    from torchao.quantization.granularity import PerRow, PerTensor
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import KernelPreference
+
+    return SimpleNamespace(
+        torchao=torchao,
+        PerRow=PerRow,
+        PerTensor=PerTensor,
+        KernelPreference=KernelPreference,
+        utils=torchao.utils,
+        preprocess_data=preprocess_data,
+        preprocess_scale=preprocess_scale,
+        addmm=addmm_float8_unwrapped_inference,
+    )
 
 
 @functools.cache
@@ -188,9 +212,7 @@ def _direct_gemm(weight: Any, kind: str) -> bool:
     activation scaled per `kind`, in the torchao version `_torch_gemm` mirrors (0.18): the weight
     scaled per row for "row" or per tensor for "tensor" (not 128x128 blocks) and a torch kernel
     choice (`_recipe` has declined mslk's)."""
-    import torchao
-
-    if not torchao.__version__.startswith("0.18.") or weight.mm_config is None:
+    if not _torchao().torchao.__version__.startswith("0.18.") or weight.mm_config is None:
         return False
     # torchao's _is_rowwise_scaled / _is_tensorwise_scaled, read off qdata (the weight's shape)
     # rather than through the subclass, whose every attribute call dispatches
@@ -208,24 +230,20 @@ def _torch_gemm(
     """torchao 0.18's `_float8_addmm_impl(input, weight.t(), bias)` on its torch branch, for an input
     of `dtype` already quantized to (q, scale) (q has the input's shape): its own functions, called
     with the arguments it passes them (`weight.t()` holds `qdata.t()` and `scale.t()`)."""
-    from torchao.float8.inference import (
-        addmm_float8_unwrapped_inference,
-        preprocess_data,
-        preprocess_scale,
-    )
-
+    ao = _torchao()
     config = weight.mm_config
-    data, w_data = preprocess_data(q.reshape(-1, q.shape[-1]), weight.qdata.t(), config)
-    out = addmm_float8_unwrapped_inference(
+    qdata = weight.qdata
+    data, w_data = ao.preprocess_data(q.reshape(-1, q.shape[-1]), qdata.t(), config)
+    out = ao.addmm(
         data,
-        preprocess_scale(scale, q.shape),
+        ao.preprocess_scale(scale, q.shape),
         w_data,
         weight.scale.t(),
         output_dtype=dtype,
         bias=bias,
         use_fast_accum=config.use_fast_accum,
     )
-    return out.reshape(*q.shape[:-1], weight.shape[0])
+    return out.reshape(*q.shape[:-1], qdata.shape[0])  # qdata's shape: weight.shape dispatches
 
 
 def granularity(module: nn.Module) -> str | None:

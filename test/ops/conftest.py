@@ -204,7 +204,7 @@ def assert_quantizing_declines_below_sm_89(
 ) -> None:
     """The quantizing kernel is built for GPUs with float8 GEMMs only: on an older one its guard
     declines with `UNBUILT` (and `verify` skips it), before any self-check could launch it."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(runtime, "capability", lambda device: (8, 0))
     x = as_cuda(torch.zeros(2, 5, operands * 8, dtype=torch.bfloat16))
     assert guards.quantized_reason(x) == UNBUILT
     assert op.quantized(x) is None

@@ -42,7 +42,7 @@ def test_each_granularity_has_its_own_verdict(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(runtime, "_records", {})
     monkeypatch.setattr(runtime, "_check", check)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(runtime, "capability", lambda device: (9, 0))
     x = as_cuda(torch.zeros(2, 5, 32, dtype=torch.bfloat16))
     guards = swiglu.guards.rows
     assert guards.quantized_reason(x) is None

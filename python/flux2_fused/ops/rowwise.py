@@ -432,7 +432,7 @@ def fused_op(
 def unbuilt(device: torch.device, config: Config) -> str | None:
     """The quantizing kernels are built for sm_89 and newer only (the GPUs with float8 GEMMs; older
     ones never quantize an activation to float8): why not here, or None."""
-    if config.quantized and torch.cuda.get_device_capability(device) < (8, 9):
+    if config.quantized and runtime.capability(device) < (8, 9):
         return "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
     return None
 

@@ -11,6 +11,7 @@ share verdicts.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -32,6 +33,13 @@ def kill_switch() -> bool:
     """True when the environment variable FLUX2_FUSED_DISABLE turns every fused op off."""
     value = os.environ.get(DISABLE_ENV)
     return value is not None and value.strip().lower() in _TRUE_VALUES
+
+
+@functools.cache
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, asked once: the quantizing forms' guards need it on every
+    call, and torch's query costs more host time than the rest of a guard's verdict."""
+    return torch.cuda.get_device_capability(device)
 
 
 def fast_path_reason(device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:

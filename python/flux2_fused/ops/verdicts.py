@@ -95,17 +95,24 @@ class Guard:
         raise_for(self.input_reason(*args))
 
     def __call__(self, *args: Any) -> bool:
-        """`reason(*args) is None`, with the metadata verdict remembered. Never raises."""
+        """`reason(*args) is None`, with the metadata verdict remembered. Never raises.
+
+        One pass over the arguments makes the memo's key and runs `call_reason`'s checks (a pipelined
+        step asks a few hundred guards, and the host's time per step can set its pace)."""
         try:
-            key = (self, *[(t.shape, t.stride(), t.dtype, t.device) for t in args])
-            accepted = _verdicts.get(key)
+            grad = torch.is_grad_enabled()
+            key: list[Any] = [self]
+            for t in args:
+                if type(t) not in PLAIN_TYPES or (grad and t.requires_grad) or t.data_ptr() % self.align:
+                    return False
+                key.append((t.shape, t.stride(), t.dtype, t.device))
+            memo = tuple(key)
+            accepted = _verdicts.get(memo)
             if accepted is None:
                 accepted = self.metadata(*args) is None
                 if len(_verdicts) >= MAX_VERDICTS:
                     _verdicts.clear()
-                _verdicts[key] = accepted
-            if not accepted or call_reason(self.names, args, self.align) is not None:
-                return False
-            return self.runtime(*args) is None
+                _verdicts[memo] = accepted
+            return accepted and self.runtime(*args) is None
         except Exception:  # a guard must never be the reason a generation fails
             return False

@@ -12,13 +12,13 @@ docs/numerics.md).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 from dataclasses import dataclass
 
 import torch
 
+from .. import runtime
 from ..bits import bits_equal, random_bits
 from ..runtime import FusedOp
 from . import reference
@@ -175,16 +175,10 @@ def _check_quantized(
     )
 
 
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    """The device's compute capability, asked once (the quantizing form's guard asks on every call)."""
-    return torch.cuda.get_device_capability(device)
-
-
 def unbuilt(device: torch.device, config: Config) -> str | None:
     """The quantizing form is built for sm_89 and newer only (the GPUs with float8 GEMMs): why not
     here, or None."""
-    if config.quantized and _capability(device) < (8, 9):
+    if config.quantized and runtime.capability(device) < (8, 9):
         return "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
     return None
 
