@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -87,10 +87,27 @@ def pipelined_ms(run: Callable[[K], object], order: Sequence[K]) -> dict[K, list
     return times
 
 
-def graphed(fn: Callable[[], T], repeats: int = 1) -> Callable[[], T]:
+class Graphed(Generic[T]):
+    """A callable captured in a CUDA graph: calling it replays the graph and returns the last captured
+    call's output. It keeps the callable alive as long as itself, and with it every tensor outside the
+    graph's pool that the captured kernels read or write (a floor's held arguments, a copy's buffers):
+    the graph holds only their addresses, and memory freed under it would be handed to other tensors
+    (or back to the driver) while replays still write there."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, out: T, captured: Callable[[], T]) -> None:
+        self.graph = graph
+        self.out = out
+        self.captured = captured
+
+    def __call__(self) -> T:
+        self.graph.replay()
+        return self.out
+
+
+def graphed(fn: Callable[[], T], repeats: int = 1) -> Graphed[T]:
     """`fn` captured `repeats` times in one CUDA graph, after warm-up calls on a side stream (as
     capture requires); the returned callable replays the graph and returns the last captured call's
-    output, which every replay overwrites.
+    output, which every replay overwrites, and keeps `fn` alive (`Graphed`).
 
     Time a replay and divide by `repeats` for the per-call GPU time without launch gaps: one capture
     per call would still pay the graph launch itself, which dwarfs a 10 us kernel.
@@ -106,11 +123,7 @@ def graphed(fn: Callable[[], T], repeats: int = 1) -> Callable[[], T]:
         for _ in range(repeats):
             out = fn()
 
-    def replay() -> T:
-        graph.replay()
-        return out
-
-    return replay
+    return Graphed(graph, out, fn)
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
