@@ -171,7 +171,7 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     step = StepResult(
         "klein-4b", 1, 2, 4096, 512, timing, timing, 1256, 1052, 41, eager, fused, "a" * 64, "a" * 64, True
     )
-    on_diffusers = dataclasses.replace(step, host="diffusers", lora_rank=16, offload="model")
+    on_diffusers = dataclasses.replace(step, host="diffusers", lora_rank=16, offload="model", fused_gb=1.704)
     scanned = dataclasses.replace(
         step,
         batch=4,
@@ -188,6 +188,8 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
         graph_ms=8.0,
         graph_bit_exact=True,
         floor_ms=8.0,
+        fused_gb=1.704,  # in the fused kernels' 0.50 ms: 3408 GB/s, 80% of 4260
+        copy_gbs=4260.0,
         floor_profile=Breakdown(
             {"gemm": 6.25, "attention": 2.0, "fused": 0.0, "collective": 0.0, "other": 0.0},
             {"gemm": 500, "attention": 50, "fused": 0, "collective": 0, "other": 0},
@@ -214,20 +216,23 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
         "| 1360x768 (4080+512) | synchronized | 11.00 | 10.00 | +10.0% | - | - | - | - | - | - | - |"
         in timings
     )
-    assert _table_widths(breakdown) == {13}
+    assert _table_widths(breakdown) == {14}
     assert (
         "| klein-4b | package | 1 | 4096+512 | eager | 1256 | 6.50 (500) | 2.25 (50) | 0.00 (0) | 0.00 (0) "
-        "| 1.75 (706) | 10.50 |" in breakdown
+        "| 1.75 (706) | 10.50 | - |" in breakdown
     )
     assert (
         "| klein-4b | package | 1 | 4096+512 | fused | 1052 | 6.50 (500) | 2.25 (50) | 0.50 (41) | 0.00 (0) "
-        "| 0.75 (461) | 10.00 |" in breakdown
+        "| 0.75 (461) | 10.00 | - |" in breakdown
     )
+    # The fused kernels' bytes alone where the copy bandwidth was not measured; with it, their share.
     assert "| klein-4b | diffusers (LoRA r16, model offload) | 1 | 4096+512 | fused | 1052 |" in breakdown
+    assert "| 0.75 (461) | 10.00 | 1.70 |" in breakdown
     assert "| klein-4b | package | 4 | 1360x768 (4080+512) | fused | 1052 |" in breakdown
+    assert "| 0.75 (461) | 10.00 | 1.70 (80%) |" in breakdown
     assert (
         "| klein-4b | package | 4 | 1360x768 (4080+512) | GEMM + attention alone | 550 | 6.25 (500) "
-        "| 2.00 (50) | 0.00 (0) | 0.00 (0) | 0.00 (0) | 8.25 |" in breakdown
+        "| 2.00 (50) | 0.00 (0) | 0.00 (0) | 0.00 (0) | 8.25 | - |" in breakdown
     )
     assert breakdown.count("GEMM + attention alone") == 1
     # Blocks: the pipelined row says so and counts steps * block pairs.
@@ -398,6 +403,9 @@ def test_a_scan_row_on_the_gpu() -> None:
     assert rows[0].floor_ms is None and 0 < rows[1].floor_ms < rows[1].pipelined.fused_ms
     assert floor.launches["gemm"] == fused.launches["gemm"] and floor.launches["fused"] == 0
     assert floor.launches["attention"] == fused.launches["attention"]
+    # The fused kernels' bytes were counted (96 launches' arguments) and the copy bandwidth measured.
+    assert all(r.fused_gb > 0 and r.copy_gbs > 1000 for r in rows)
+    assert rows[1].fused_gb > rows[0].fused_gb  # twice the image tokens
 
 
 def test_compiled_modes_switch_without_recompiling(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,7 +29,9 @@ step (torch.profiler), the fused-kernel launches, and the SHA-256 of both output
 the fused path is bit-exact). The same profiled step of each mode is split by kernel class (GEMM,
 attention, fused, other; `classify.kernel_class`) into kernel time and launches, printed as a
 second table: it shows how much of a step the fused ops can touch at all, GEMM and attention being
-the rest.
+the rest. Its fused row adds the GB the fused kernels' launches move in one step (`bench.traffic`)
+and their bandwidth in the step (those bytes over their profiled time) as a share of the GPU's copy
+bandwidth, measured in the same run.
 
 Each mode's GPU busy % comes from a few pipelined steps under torch.profiler (`pipelined_busy_pct`):
 the share of their span the GPU spent in a kernel, copy or memset; below 100 it waited for the host.
@@ -84,7 +86,8 @@ from .floor import floor_step
 from .options import PX_PER_TOKEN, check_output, diffusers_only, no_package_model, require_at_least_one
 from .results.step import StepResult, format_step_table
 from .results.tables import KERNEL_CLASSES, Breakdown, Paired, Timing, write_json
-from .timing import event_ms, graphed, pipelined_ms, rotated_order, without_lead_ins
+from .timing import copy_bandwidth_gbs, event_ms, graphed, pipelined_ms, rotated_order, without_lead_ins
+from .traffic import fused_bytes
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -440,6 +443,7 @@ def bench_size(
             outputs["graph"] = runs["graph"]()
         if floor:
             runs["floor"] = floor_of(runs["fused"], subject.model)
+        fused_gb = fused_bytes(runs["fused"]) / 1e9
         # Compiled, each mode's runner sets its own mode (the diffusers host's twins need no switch).
         switch = None if compile_both else subject.switch
         synchronized = Timing.of(time_synchronized(run, steps, switch))
@@ -495,6 +499,8 @@ def bench_size(
         graph_bit_exact=torch.equal(outputs["graph"], outputs["eager"]) if graph else None,
         floor_ms=median("floor"),
         floor_profile=floor_profile,
+        fused_gb=fused_gb,
+        copy_gbs=copy_bandwidth_gbs(),
         reference_tokens=reference_tokens,
         block=block,
         lead_in=lead_in,

@@ -74,6 +74,11 @@ class StepResult:
       (`bench.floor`); else null
     - floor_profile: with --floor, the Breakdown of one such replay (its GEMM and attention kernel
       time should match the fused step's); else null
+    - fused_gb: the GB the fused kernels' launches move in one fused step (`bench.traffic`: each
+      launch's tensor arguments, read or written once), null where not counted
+    - copy_gbs: the GPU's device-to-device copy bandwidth in GB/s (read plus write) in this run: the
+      fused kernels' bandwidth in the step (fused_gb over the fused step's profiled fused kernel
+      time) is shown as a percentage of it
     - reference_tokens: FLUX.3's reference image tokens a sample (image-to-image), 0 for none
     - block: pipelined steps a mode runs in a row (--block; 1: the modes alternate every step); the
       pipelined timings pair steps * block steps a mode
@@ -113,6 +118,8 @@ class StepResult:
     graph_bit_exact: bool | None = None
     floor_ms: float | None = None
     floor_profile: Breakdown | None = None
+    fused_gb: float | None = None
+    copy_gbs: float | None = None
     reference_tokens: int = 0
     block: int = 1
     lead_in: int = 0
@@ -222,8 +229,10 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
 
 def format_breakdown_table(results: Sequence[StepResult]) -> str:
     """Where each mode's step spends its kernel time: GEMM and attention, which the fused path leaves
-    alone, against the fused kernels and the other eager kernels they replace."""
+    alone, against the fused kernels and the other eager kernels they replace; and the bytes the
+    fused kernels move, at what share of the copy bandwidth."""
     headers = ["config", "host", "B", "size", "mode", "kernels", *breakdown_headers()]
+    headers.append("fused GB (% of copy BW)")
     rows = []
     for r in results:
         profiles = [("eager", r.eager_profile), ("fused", r.fused_profile)]
@@ -231,6 +240,23 @@ def format_breakdown_table(results: Sequence[StepResult]) -> str:
             profiles.append(("GEMM + attention alone", r.floor_profile))
         for mode, b in profiles:
             shape = [r.batch, r.size_label]
-            rows.append([r.config, r.host_label, *shape, mode, b.total_launches, *breakdown_cells(b)])
-    note = "(kernel time of one profiled step by kernel class, torch.profiler; the total is their sum)"
+            traffic = _traffic_cell(r, b) if mode == "fused" else "-"
+            cells = [b.total_launches, *breakdown_cells(b), traffic]
+            rows.append([r.config, r.host_label, *shape, mode, *cells])
+    note = (
+        "(kernel time of one profiled step by kernel class, torch.profiler; the total is their sum; "
+        "fused GB: what the fused kernels' launches read and write in a step, at the bandwidth of their "
+        "profiled time as a share of a device copy's)"
+    )
     return f"{markdown_table(headers, rows)}\n{note}"
+
+
+def _traffic_cell(r: StepResult, fused: Breakdown) -> str:
+    """The fused kernels' GB a step and their bandwidth in it as % of the copy bandwidth, where known."""
+    ms = fused.kernel_ms.get("fused", 0.0)
+    if r.fused_gb is None:
+        return "-"
+    if r.copy_gbs is None or ms <= 0:
+        return f"{r.fused_gb:.2f}"
+    pct = 100 * r.fused_gb / (ms * 1e-3) / r.copy_gbs
+    return f"{r.fused_gb:.2f} ({pct:.0f}%)"

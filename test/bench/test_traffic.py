@@ -1,0 +1,54 @@
+"""CPU tests of counting the bytes a step's fused kernels move (`bench.traffic`), with a stand-in for a
+kernel module; the GPU scan test (test_step.py) counts a real step's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flux2_fused.bench.traffic import fused_bytes, launch_bytes
+from flux2_fused.ops import jit
+
+
+class _Kernels:
+    """A stand-in for an op's kernel module (`jit.module_for`'s): `double` writes x * 2 into out."""
+
+    def double(self, out: torch.Tensor, x: torch.Tensor, eps: float) -> None:
+        out.copy_(x * 2)
+
+
+def test_a_launch_moves_its_tensors_elements_once() -> None:
+    """Views count their elements, not their storage; what is not a tensor (eps, None) moves nothing."""
+    base = torch.empty(3, 32)
+    assert launch_bytes([torch.empty(3, 16), base[:, ::2], 1e-6, None]) == 2 * 3 * 16 * 4
+    bf16, fp8 = torch.empty(5, dtype=torch.bfloat16), torch.empty(5, dtype=torch.float8_e4m3fn)
+    assert launch_bytes([bf16, fp8]) == 15
+
+
+def test_a_steps_launches_are_counted_while_they_run_and_the_module_is_put_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(jit, "module_for", lambda spec, device: _Kernels())
+    x = torch.randn(4, 8)
+    out = torch.empty(4, 8)
+
+    def step() -> torch.Tensor:
+        for _ in range(3):
+            jit.module_for(None, x.device).double(out, x, 1e-6)
+        return out
+
+    assert fused_bytes(step) == 3 * 2 * 4 * 8 * 4
+    assert torch.equal(out, x * 2)  # the launches ran
+    assert isinstance(jit.module_for(None, None), _Kernels)  # what was there before
+    assert fused_bytes(lambda: None) == 0
+
+
+def test_a_failing_step_puts_the_module_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jit, "module_for", lambda spec, device: _Kernels())
+
+    def step() -> None:
+        raise RuntimeError("the step failed")
+
+    with pytest.raises(RuntimeError, match="the step failed"):
+        fused_bytes(step)
+    assert isinstance(jit.module_for(None, None), _Kernels)
