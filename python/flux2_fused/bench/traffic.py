@@ -26,28 +26,28 @@ def launch_bytes(args: Iterable[object]) -> int:
 
 
 class _Counted:
-    """A kernel module whose every function adds its launch's bytes to `totals` before running it."""
+    """A kernel module whose every function hands its launch's bytes to `note` before running it."""
 
-    def __init__(self, module: Any, totals: list[int]) -> None:
+    def __init__(self, module: Any, note: Callable[[int], None]) -> None:
         self._module = module
-        self._totals = totals
+        self._note = note
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         function = getattr(self._module, name)
 
         def counted(*args: Any) -> Any:
-            self._totals.append(launch_bytes(args))
+            self._note(launch_bytes(args))
             return function(*args)
 
         return counted
 
 
 @contextmanager
-def _counting(totals: list[int]) -> Iterator[None]:
+def counting(note: Callable[[int], None]) -> Iterator[None]:
     """Within it, every fused kernel's launch (each reaches its module through `jit.module_for`)
-    appends its bytes to `totals`."""
+    hands its bytes to `note`, in launch order, then runs."""
     module_for = jit.module_for
-    jit.module_for = lambda spec, device: _Counted(module_for(spec, device), totals)
+    jit.module_for = lambda spec, device: _Counted(module_for(spec, device), note)
     try:
         yield
     finally:
@@ -57,6 +57,6 @@ def _counting(totals: list[int]) -> Iterator[None]:
 def fused_bytes(step: Callable[[], object]) -> int:
     """The bytes the fused kernels' launches move in one `step()`."""
     totals: list[int] = []
-    with _counting(totals):
+    with counting(totals.append):
         step()
     return sum(totals)
