@@ -48,12 +48,20 @@ def call_reason(names: Sequence[str], tensors: Sequence[torch.Tensor], align: in
     data alignment."""
     grad = torch.is_grad_enabled()
     for name, t in zip(names, tensors, strict=True):
-        if type(t) not in PLAIN_TYPES:
-            return TypeReason(f"{name} is a {type(t).__name__}; the kernel reads plain tensors only")
-        if grad and t.requires_grad:
-            return f"{name} requires grad and the fused kernel has no backward"
-        if t.data_ptr() % align != 0:
-            return f"{name} data pointer is not {align}-byte aligned"
+        reason = tensor_call_reason(name, t, grad, align)
+        if reason is not None:
+            return reason
+    return None
+
+
+def tensor_call_reason(name: str, t: torch.Tensor, grad: bool, align: int) -> Reason:
+    """`call_reason`'s checks of one tensor, `grad` whether autograd is on."""
+    if type(t) not in PLAIN_TYPES:
+        return TypeReason(f"{name} is a {type(t).__name__}; the kernel reads plain tensors only")
+    if grad and t.requires_grad:
+        return f"{name} requires grad and the fused kernel has no backward"
+    if t.data_ptr() % align != 0:
+        return f"{name} data pointer is not {align}-byte aligned"
     return None
 
 
@@ -102,8 +110,8 @@ class Guard:
         try:
             grad = torch.is_grad_enabled()
             key: list[Any] = [self]
-            for t in args:
-                if type(t) not in PLAIN_TYPES or (grad and t.requires_grad) or t.data_ptr() % self.align:
+            for name, t in zip(self.names, args, strict=True):
+                if tensor_call_reason(name, t, grad, self.align) is not None:
                     return False
                 key.append((t.shape, t.stride(), t.dtype, t.device))
             memo = tuple(key)
