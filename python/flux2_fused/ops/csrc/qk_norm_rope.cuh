@@ -37,15 +37,20 @@
 // One block of 64 threads handles one token: q's, k's (and v's) head rows of that token, with the
 // token's cos/sin row loaded once into registers for q and k together. A head row is 256 bytes, so
 // half a warp covers it with one 16-byte load a lane: lane m of a half owns elements 8m..8m+7, i.e.
-// aten's threads 2m and 2m+1, and keeps their two partial sums apart, so aten's shuffle tree (offsets
-// 16, 8, 4, 2 over its threads) becomes offsets 8, 4, 2, 1 over the half's lanes on each partial sum,
-// and its last step (offset 1) the sum of the two. The unit of work of a warp is a pair of head rows
-// of one tensor (its halves take heads 2i and 2i+1), so which tensor a warp works on, and whether it
-// runs the norm's shuffles, is uniform across the warp; the token's units (q's pairs, then k's, then
-// v's) are dealt to the two warps in turn, kRowsInFlight of them a round, the next round loaded while
-// one is computed. Each
-// output is a contiguous [B, S, H, 128] tensor; its rows come from up to two input segments (text,
-// then image rows of a double block), each with its own strides and (q, k) RMSNorm weight.
+// aten's threads 2m and 2m+1, and keeps their two partial sums apart. aten's shuffle tree (offsets
+// 16, 8, 4, 2 over its threads, then 1) is run on both sums at once: its offset 16 adds lane m + 8's
+// first sum to lane m's (m < 8) and lane m's second sum to lane m + 8's, one exchange for both (IEEE
+// addition commutes, so which side adds does not change a bit); lanes 0-7 then hold the even
+// threads' tree and lanes 8-15 the odd threads', and each offset 8, 4, 2 of aten's is one shuffle of
+// offset 4, 2, 1 within each eight lanes, for both trees; its last step (offset 1) adds lane 8's
+// result to lane 0's. Six shuffles a row pair instead of nine: the shuffle unit issues a warp's
+// shuffle a cycle, a quarter of the rate of the float adds around it. The unit of work of a warp is
+// a pair of head rows of one tensor (its halves take heads 2i and 2i+1), so which tensor a warp works
+// on, and whether it runs the norm's shuffles, is uniform across the warp; the token's units (q's
+// pairs, then k's, then v's) are dealt to the two warps in turn, kRowsInFlight of them a round, the
+// next round loaded while one is computed. Each output is a contiguous [B, S, H, 128] tensor; its
+// rows come from up to two input segments (text, then image rows of a double block), each with its
+// own strides and (q, k) RMSNorm weight.
 #pragma once
 
 #include <type_traits>
@@ -259,12 +264,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
 #pragma unroll
         for (int i = 4; i < 8; ++i) s1 = __fmaf_rn(x[i], x[i], s1);
       }
+      // aten's offset 16 for both partials in one exchange: lanes 0-7 finish s0's sums, lanes 8-15
+      // s1's (IEEE addition commutes); then offsets 4, 2, 1 within each eight serve both trees.
+      const bool upper = lane >= 8;
+      float w = __fadd_rn(upper ? s1 : s0, __shfl_xor_sync(kAll, upper ? s0 : s1, 8, 16));
 #pragma unroll
-      for (int offset = 8; offset > 0; offset >>= 1) {
-        s0 = __fadd_rn(s0, __shfl_down_sync(kAll, s0, offset, 16));
-        s1 = __fadd_rn(s1, __shfl_down_sync(kAll, s1, offset, 16));
-      }
-      const float sum = __shfl_sync(kAll, __fadd_rn(s0, s1), 0, 16);
+      for (int offset = 4; offset > 0; offset >>= 1) w = __fadd_rn(w, __shfl_down_sync(kAll, w, offset, 8));
+      const float sum = __fadd_rn(__shfl_sync(kAll, w, 0, 16), __shfl_sync(kAll, w, 8, 16));
       if (h >= p.heads) continue;
       // aten divides by 128; a product with 2^-7 is the same exact value, so it rounds alike
       // (subnormal results included), in one instruction instead of a division's sequence.
