@@ -358,8 +358,9 @@ def quantizing_cases(
     """The quantizing kernels' self-check cases (x, prefix, b) for an op of `operands` operands:
     random rows with edge rows (zero, tiny, huge values, NaN, +-Inf: each scale's long path), a
     prefix beside strided operand rows, random bit patterns, a joint row wider than the narrow
-    kernel's, and for two operands the two-tensor form; with one scale for the tensor, the random
-    rows alone too (the edge rows make every element NaN)."""
+    kernel's, rows 8 bytes into their buffer (the kernel's 8-byte form; every other case is whole
+    16-byte vectors), and for two operands the two-tensor form; with one scale for the tensor, the
+    random rows alone too (the edge rows make every element NaN)."""
     from .bits import random_bits
 
     batch, tokens, hidden = 2, 13, 200
@@ -381,6 +382,7 @@ def quantizing_cases(
             None,
         ),
         "a row of 19000 after a prefix": (long_row, torch.randn(1, 3, 6000, device=device).to(dtype), None),
+        "rows 8 bytes into their buffer": (wide[..., 4 : 4 + operands * hidden], None, None),
     }
     if operands == 2:
         cases["two projections"] = (x[..., :hidden].contiguous(), None, x[..., hidden:].contiguous())

@@ -132,3 +132,19 @@ def test_quantized_rows_equal_torchaos_quantization_of_eager(dim, hidden, tokens
         joint = reference.gelu_tanh(x) if prefix is None else torch.cat([prefix, reference.gelu_tanh(x)], -1)
         got = op.quantized(x, prefix=prefix, granularity=granularity)
         assert same(got, float8.quantize(joint, granularity))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dim", "hidden", "offset"), [(4, 12, 0), (0, 16, 4), (8, 1024, 12)])
+def test_quantized_rows_not_of_16_byte_vectors(dim, hidden, offset, dtype, gen):
+    """Rows that are not whole 16-byte vectors (an odd multiple of 4 wide) or do not start on 16
+    bytes (a view 8 or 24 bytes into a wider buffer) take the quantizing kernel's 8-byte form: the
+    same bits as the 16-byte one gives the models' rows."""
+    from flux2_fused.ops import gelu_tanh as op
+    from flux2_fused.ops.float8_quant import reference as float8
+    from flux2_fused.ops.float8_quant.selfcheck import same
+
+    x = (torch.randn(2, 37, offset + hidden, generator=gen, device="cuda") * 4).to(dtype)[..., offset:]
+    prefix = (torch.randn(2, 37, dim, generator=gen, device="cuda") * 3).to(dtype) if dim else None
+    joint = reference.gelu_tanh(x) if prefix is None else torch.cat([prefix, reference.gelu_tanh(x)], -1)
+    assert same(op.quantized(x, prefix=prefix), float8.quantize(joint, "row"))

@@ -127,6 +127,17 @@ def test_quantized_rows_equal_torchaos_quantization_of_eager(
         assert _quantized_equals_torchao(x.nan_to_num(0.0, 0.0, 0.0), prefix, granularity=granularity)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("dim", "hidden", "extra"), [(4, 12, 12), (0, 16, 4), (8, 1024, 12)])
+def test_quantized_rows_not_of_16_byte_vectors(dim, hidden, extra, dtype, gen):
+    """Rows that are not whole 16-byte vectors (an odd multiple of 4 wide) or do not start on 16
+    bytes (a view 8 or 24 bytes into its projection) take the quantizing kernel's 8-byte form, the
+    models' rows its 16-byte one: the same bits either way."""
+    x = _rows(2, 37, hidden, dtype, gen, extra=extra)
+    prefix = (torch.randn(2, 37, dim, generator=gen, device="cuda") * 3).to(dtype) if dim else None
+    assert _quantized_equals_torchao(x, prefix)
+
+
 @pytest.mark.parametrize("granularity", ["row", "tensor"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_quantized_two_projections_and_random_bits(dtype, granularity, gen):

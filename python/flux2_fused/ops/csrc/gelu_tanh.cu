@@ -20,7 +20,7 @@ void gelu_tanh(tvm::ffi::TensorView out, tvm::ffi::TensorView x) {
 void gelu_tanh_quantized(tvm::ffi::TensorView q, tvm::ffi::TensorView scale,
                          tvm::ffi::Optional<tvm::ffi::TensorView> prefix, tvm::ffi::TensorView x) {
   rowwise::dispatch_quantized(q, scale, prefix, x, tvm::ffi::Optional<tvm::ffi::TensorView>(), /*operands=*/1,
-                              "gelu_tanh", gelu_tanh_kernel_quantized<__nv_bfloat16>, gelu_tanh_kernel_quantized<__half>);
+                              "gelu_tanh", quantized_kernels<__nv_bfloat16>(), quantized_kernels<__half>());
 }
 
 // The rows [prefix | gelu_tanh(x)] into joint, and each one's amax word (a whole-tensor float8 scale's).

@@ -56,9 +56,15 @@ __global__ void __launch_bounds__(rowwise::kThreads) gelu_tanh_kernel_joint(cons
 
 // The same values, the row [prefix | gelu] quantized for the next Linear (rowwise::quantize_row),
 // the row staged in shared memory.
-template <typename T>
+template <typename T, int kVec>
 __global__ void __launch_bounds__(rowwise::kThreads) gelu_tanh_kernel_quantized(const rowwise::Params<T> p) {
-  rowwise::quantize_row<T, 1>(p, [](float x) { return gelu(x); });
+  rowwise::quantize_row<T, 1, kVec>(p, [](float x) { return gelu(x); });
+}
+
+// Its 8-byte and 16-byte forms (rowwise::launch_quantized picks one).
+template <typename T>
+rowwise::QuantizedKernels<T> quantized_kernels() {
+  return {gelu_tanh_kernel_quantized<T, 4>, gelu_tanh_kernel_quantized<T, 8>};
 }
 
 }  // namespace gelu_tanh

@@ -22,6 +22,10 @@
 // attention output beside its activation, or f(x) alone), each value rounded to T as eager's buffer
 // holds it, then its amax over the row, the scale and the e4m3fn bytes. The row's values are staged
 // in shared memory between the amax and the bytes (48 KB for a 24576-wide bf16 row: four rows an SM).
+// Where every row of its inputs starts on 16 bytes and holds whole 16-byte vectors (the models'
+// widths), it walks the row 8 elements (16 bytes) at a time: with at most four rows an SM, each
+// thread's loads in flight are what keep the memory busy, and 16-byte loads double them at the same
+// instruction count.
 //
 // The Python layer (flux2_fused/ops/rowwise.py) validates every input and decides when a kernel may
 // run; the host checks here only stop a misuse from touching the wrong memory.
@@ -35,6 +39,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <utility>
 
 #include "common.cuh"
@@ -51,6 +56,10 @@ constexpr int kMaxQuantizedWidth = 24576;  // the widest joint row the quantizin
 
 template <typename T>
 using Quad = Packed<T, 2>;  // four elements, 8 bytes
+
+// kVec elements of T (4: 8 bytes, 8: 16 bytes), the unit a thread loads and stores.
+template <typename T, int kVec>
+using Vec = Packed<T, kVec / 2>;
 
 template <typename T>
 struct Params {
@@ -73,8 +82,8 @@ struct Params {
 };
 
 // f of element j of each operand's vector.
-template <typename T, int kOperands, typename F, std::size_t... I>
-__device__ __forceinline__ float element(F f, const Quad<T> (&in)[kOperands], int j, std::index_sequence<I...>) {
+template <typename T, int kOperands, typename F, int kPairs, std::size_t... I>
+__device__ __forceinline__ float element(F f, const Packed<T, kPairs> (&in)[kOperands], int j, std::index_sequence<I...>) {
   return f(in[I].get(j)...);
 }
 
@@ -95,50 +104,60 @@ struct RowOf {
   }
 };
 
+// Vector v of a row, streamed (read once).
+template <typename T, int kVec>
+__device__ __forceinline__ Vec<T, kVec> load_vec(const T* row, int v) {
+  if constexpr (kVec == 8) {
+    const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(row) + v);
+    return *reinterpret_cast<const Vec<T, 8>*>(&raw);
+  } else {
+    static_assert(kVec == 4, "vectors of 4 or 8 elements");
+    const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(row) + v);
+    return *reinterpret_cast<const Vec<T, 4>*>(&raw);
+  }
+}
+
 // This block's row of x through f (fp32 operands in, the fp32 value before the final rounding out),
-// each value rounded to T, into out_row (global or shared memory); with kJoint, the prefix's row
-// first, and the largest magnitude bits of the row's values returned (every thread gets them).
-template <typename T, int kOperands, bool kJoint, typename F>
+// each value rounded to T, into out_row (global or shared memory), kVec elements a vector; with
+// kJoint, the prefix's row first, and the largest magnitude bits of the row's values returned (every
+// thread gets them).
+template <typename T, int kOperands, bool kJoint, typename F, int kVec = 4>
 __device__ __forceinline__ unsigned int map_row_to(const Params<T>& p, F f, T* out_row) {
   using Operands = std::make_index_sequence<kOperands>;
   const RowOf<T, kOperands> at(p, blockIdx.x);
   const T* const* in_row = at.in;
   const T* prefix_row = kJoint ? at.of(p.prefix, p.prefix_batch_stride, p.prefix_row_stride) : nullptr;
-  const int prefix_vectors = kJoint ? p.prefix_width / 4 : 0;
-  const int vectors = prefix_vectors + p.hidden / 4;
+  const int prefix_vectors = kJoint ? p.prefix_width / kVec : 0;
+  const int vectors = prefix_vectors + p.hidden / kVec;
   unsigned int m = 0;
   for (int v0 = threadIdx.x; v0 < vectors; v0 += kThreads * kUnroll) {
-    Quad<T> in[kUnroll][kOperands];  // a prefix vector, or the operands
+    Vec<T, kVec> in[kUnroll][kOperands];  // a prefix vector, or the operands
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int v = v0 + u * kThreads - prefix_vectors;  // the operands' vector (< 0: the prefix's)
       if (kJoint && v < 0) {
-        const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(prefix_row) + v + prefix_vectors);
-        in[u][0] = *reinterpret_cast<const Quad<T>*>(&raw);
+        in[u][0] = load_vec<T, kVec>(prefix_row, v + prefix_vectors);
       } else if (v + prefix_vectors < vectors) {
 #pragma unroll
-        for (int i = 0; i < kOperands; ++i) {
-          const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(in_row[i]) + v);
-          in[u][i] = *reinterpret_cast<const Quad<T>*>(&raw);
-        }
+        for (int i = 0; i < kOperands; ++i) in[u][i] = load_vec<T, kVec>(in_row[i], v);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int v = v0 + u * kThreads - prefix_vectors;
       if (v + prefix_vectors < vectors) {
-        Quad<T> o;
+        Vec<T, kVec> o;
         if (kJoint && v < 0) {
           o = in[u][0];
         } else {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
+          for (int h = 0; h < kVec / 2; ++h) {
             o.p[h] = Elem<T>::pack(element<T, kOperands>(f, in[u], 2 * h, Operands{}),
                                    element<T, kOperands>(f, in[u], 2 * h + 1, Operands{}));
           }
         }
-        if (kJoint) m = max(m, float8_quant::packed_max<T, 2>(o));
-        reinterpret_cast<uint2*>(out_row)[v + prefix_vectors] = *reinterpret_cast<const uint2*>(&o);
+        if (kJoint) m = max(m, float8_quant::packed_max<T, kVec / 2>(o));
+        reinterpret_cast<Vec<T, kVec>*>(out_row)[v + prefix_vectors] = o;
       }
     }
   }
@@ -161,14 +180,15 @@ __device__ __forceinline__ void map_row(const Params<T>& p, F f) {
 // The body of a row-wise kernel with the quantizing epilogue: the joint row [prefix | f(x)] of this
 // block, its values rounded to T, as torchao's per-row float8 into q and scale. The row's values wait
 // in shared memory (the launch's dynamic shared memory, the row's width in T) between its amax and
-// its bytes, so a thread holds only what it has in flight and several rows share an SM.
-template <typename T, int kOperands, typename F>
+// its bytes, so a thread holds only what it has in flight and several rows share an SM. kVec: the
+// elements a load (4, or 8 where `octs_aligned`).
+template <typename T, int kOperands, int kVec, typename F>
 __device__ __forceinline__ void quantize_row(const Params<T>& p, F f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
   __trap();  // float8 GEMMs need sm_89: the guards never launch it on an older GPU, and no code is built
 #else
   extern __shared__ uint4 staged[];  // the joint row, in T
-  const unsigned int m = map_row_to<T, kOperands, true>(p, f, reinterpret_cast<T*>(staged));
+  const unsigned int m = map_row_to<T, kOperands, true, F, kVec>(p, f, reinterpret_cast<T*>(staged));
   // block_max's barrier has made every thread's values visible
   const int64_t row = blockIdx.x;
   const float scale = float8_quant::scale_of<T>(m);
@@ -260,6 +280,26 @@ void launch(void (*kernel)(Params<T>), TensorView out, TensorView x, const Optio
   run(kernel, p, x, dev, name);
 }
 
+// A quantizing kernel's two forms: 8-byte vectors (any row a multiple of 4 wide) and 16-byte ones.
+template <typename T>
+struct QuantizedKernels {
+  void (*quads)(Params<T>);
+  void (*octs)(Params<T>);
+};
+
+// Whether every row p's walk reads (each operand's, the prefix's) starts on 16 bytes and is whole
+// 16-byte vectors wide, so the 16-byte form may run.
+template <typename T>
+bool octs_aligned(const Params<T>& p, int operands) {
+  const auto aligned = [](const T* row, int64_t batch_stride, int64_t row_stride) {
+    return reinterpret_cast<std::uintptr_t>(row) % 16 == 0 && batch_stride % 8 == 0 && row_stride % 8 == 0;
+  };
+  bool ok = p.hidden % 8 == 0 && p.prefix_width % 8 == 0 &&
+            (p.prefix_width == 0 || aligned(p.prefix, p.prefix_batch_stride, p.prefix_row_stride));
+  for (int i = 0; i < operands; ++i) ok = ok && aligned(p.in[i], p.in_batch_stride[i], p.in_row_stride[i]);
+  return ok;
+}
+
 // (H, P + H, rows) of the joint rows [prefix | f(x)] over x's rows (other as in `launch`).
 struct JointShape {
   int64_t hidden, width, rows;
@@ -273,8 +313,9 @@ inline JointShape joint_shape(TensorView x, const Optional<TensorView>& other, c
 // The quantizing epilogue over x's rows (other as in `launch`), prefix's rows first where given: q
 // the joint rows' e4m3fn bytes ([rows, P + H], contiguous), scale one float a row.
 template <typename T>
-void launch_quantized(void (*kernel)(Params<T>), TensorView q, TensorView scale, const Optional<TensorView>& prefix,
-                      TensorView x, const Optional<TensorView>& other, int operands, const char* name) {
+void launch_quantized(const QuantizedKernels<T>& kernels, TensorView q, TensorView scale,
+                      const Optional<TensorView>& prefix, TensorView x, const Optional<TensorView>& other,
+                      int operands, const char* name) {
   const DLDevice dev = q.device();
   const auto [hidden, width, rows] = joint_shape(x, other, prefix, operands);
   TVM_FFI_ICHECK(q.IsContiguous() && q.dtype().bits == 8 && q.numel() == rows * width) << name << ": q must be the joint rows' bytes";
@@ -287,7 +328,7 @@ void launch_quantized(void (*kernel)(Params<T>), TensorView q, TensorView scale,
   set_prefix(p, prefix, x, dev, name);
   p.q = data<uint8_t>(q);
   p.scale = data<float>(scale);
-  run(kernel, p, x, dev, name, static_cast<int>(width * sizeof(T)));
+  run(octs_aligned(p, operands) ? kernels.octs : kernels.quads, p, x, dev, name, static_cast<int>(width * sizeof(T)));
 }
 
 // The joint form over x's rows (other as in `launch`), prefix's rows first where given: joint the
@@ -311,7 +352,7 @@ void launch_joint(void (*kernel)(Params<T>), TensorView joint, TensorView amax, 
   run(kernel, p, x, dev, name);
 }
 
-// An entry's launch of the kernel for `dt`: launch(bf16) or launch(fp16), the kernels of each type.
+// An entry's launch of the kernel for `dt`: launch(bf16) or launch(fp16), the kernel(s) of each type.
 template <typename Bf16, typename Fp16, typename Launch>
 void for_dtype(DLDataType dt, const char* name, Bf16 bf16, Fp16 fp16, Launch launch) {
   if (dt.code == kDLBfloat && dt.bits == 16) {

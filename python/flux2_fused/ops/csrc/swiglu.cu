@@ -19,8 +19,8 @@ void swiglu(tvm::ffi::TensorView out, tvm::ffi::TensorView x, tvm::ffi::Optional
 void swiglu_quantized(tvm::ffi::TensorView q, tvm::ffi::TensorView scale,
                       tvm::ffi::Optional<tvm::ffi::TensorView> prefix, tvm::ffi::TensorView x,
                       tvm::ffi::Optional<tvm::ffi::TensorView> b) {
-  rowwise::dispatch_quantized(q, scale, prefix, x, b, /*operands=*/2, "swiglu", swiglu_kernel_quantized<__nv_bfloat16>,
-                              swiglu_kernel_quantized<__half>);
+  rowwise::dispatch_quantized(q, scale, prefix, x, b, /*operands=*/2, "swiglu", quantized_kernels<__nv_bfloat16>(),
+                              quantized_kernels<__half>());
 }
 
 // The rows [prefix | swiglu(x)] into joint, and each one's amax word (a whole-tensor float8 scale's).

@@ -40,9 +40,15 @@ __global__ void __launch_bounds__(rowwise::kThreads) swiglu_kernel_joint(const r
 
 // The same values, the row [prefix | swiglu] quantized for the next Linear (rowwise::quantize_row),
 // the row staged in shared memory.
-template <typename T>
+template <typename T, int kVec>
 __global__ void __launch_bounds__(rowwise::kThreads) swiglu_kernel_quantized(const rowwise::Params<T> p) {
-  rowwise::quantize_row<T, 2>(p, [](float a, float b) { return silu_mul<T>(a, b); });
+  rowwise::quantize_row<T, 2, kVec>(p, [](float a, float b) { return silu_mul<T>(a, b); });
+}
+
+// Its 8-byte and 16-byte forms (rowwise::launch_quantized picks one).
+template <typename T>
+rowwise::QuantizedKernels<T> quantized_kernels() {
+  return {swiglu_kernel_quantized<T, 4>, swiglu_kernel_quantized<T, 8>};
 }
 
 }  // namespace swiglu
