@@ -229,7 +229,7 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
     assert "| klein-4b | diffusers (LoRA r16, model offload) | 1 | 4096+512 | fused | 1052 |" in breakdown
     assert "| 0.75 (461) | 10.00 | 1.70 |" in breakdown
     assert "| klein-4b | package | 4 | 1360x768 (4080+512) | fused | 1052 |" in breakdown
-    assert "| 0.75 (461) | 10.00 | 1.70 (80%) |" in breakdown
+    assert "| 0.75 (461) | 10.00 | 1.70 (3.41 of 4.26 TB/s, 80%) |" in breakdown
     assert (
         "| klein-4b | package | 4 | 1360x768 (4080+512) | GEMM + attention alone | 550 | 6.25 (500) "
         "| 2.00 (50) | 0.00 (0) | 0.00 (0) | 0.00 (0) | 8.25 | - |" in breakdown

@@ -232,7 +232,7 @@ def format_breakdown_table(results: Sequence[StepResult]) -> str:
     alone, against the fused kernels and the other eager kernels they replace; and the bytes the
     fused kernels move, at what share of the copy bandwidth."""
     headers = ["config", "host", "B", "size", "mode", "kernels", *breakdown_headers()]
-    headers.append("fused GB (% of copy BW)")
+    headers.append("fused GB (their TB/s of the copy's, %)")
     rows = []
     for r in results:
         profiles = [("eager", r.eager_profile), ("fused", r.fused_profile)]
@@ -245,8 +245,8 @@ def format_breakdown_table(results: Sequence[StepResult]) -> str:
             rows.append([r.config, r.host_label, *shape, mode, *cells])
     note = (
         "(kernel time of one profiled step by kernel class, torch.profiler; the total is their sum; "
-        "fused GB: what the fused kernels' launches read and write in a step, at the bandwidth of their "
-        "profiled time as a share of a device copy's)"
+        "fused GB: what the fused kernels' launches read and write in a step, and their bandwidth over "
+        "their profiled time against a device copy's measured in the same process)"
     )
     return f"{markdown_table(headers, rows)}\n{note}"
 
@@ -258,5 +258,5 @@ def _traffic_cell(r: StepResult, fused: Breakdown) -> str:
         return "-"
     if r.copy_gbs is None or ms <= 0:
         return f"{r.fused_gb:.2f}"
-    pct = 100 * r.fused_gb / (ms * 1e-3) / r.copy_gbs
-    return f"{r.fused_gb:.2f} ({pct:.0f}%)"
+    gbs = r.fused_gb / (ms * 1e-3)
+    return f"{r.fused_gb:.2f} ({gbs / 1e3:.2f} of {r.copy_gbs / 1e3:.2f} TB/s, {100 * gbs / r.copy_gbs:.0f}%)"
