@@ -8,7 +8,8 @@ same rows (possibly half of a wider buffer, which the single block's output proj
 two-operand op also takes its operands as two tensors of out's shape: x the first, `b` the second
 (Z-Image's feed-forward, `silu(w1(x)) * w3(x)`, has two projections where FLUX.2 has one). The
 kernels (csrc/rowwise.cuh) move 4 elements (8 bytes) at a time, so H is a positive multiple of 4 and
-row and batch strides are multiples of 4 elements.
+row and batch strides are multiples of 4 elements (the quantizing kernel moves 8 where every row it
+reads allows it, a choice its launch makes from the pointers and strides: nothing to guard here).
 
 The quantizing form (`RowOp.quantized`) gives, in place of the activation, what the next torchao
 float8 Linear would make of it: the row [prefix | op(x)] (a single block's attention output beside
