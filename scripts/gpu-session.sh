@@ -6,7 +6,7 @@
 #                          [ab-step:OPTIONS] [flux1-bench] [bundle-check] [sglang] [scan] [float8-compile] [clocks]
 #                          [timeline] [flux3] [qwen] [zimage] [fp8] [steady] [comfyui] [comfyui-tests] [comfyui-dev]
 #                          [comfyui-flux1]
-#                          [script:PATH ARGS]
+#                          [script:PATH ARGS] [ncu:OP:SHAPE]
 #                          [step:OPTIONS]
 # diffusers-step-bench: klein-4b, the package's model then diffusers' (plain, --lora 16, --offload model,
 # --offload group), one JSON each; diffusers-step-bench-dev: dev, package and diffusers plain;
@@ -196,6 +196,22 @@ for step in "$@"; do
     comfyui-flux1)  # ComfyUI's FLUX.1-dev: its step beside torch.compile and the floor
       comfyui_core
       step_bench step-comfyui-flux1-dev --config flux1-dev --host comfyui --vs-compile --floor ${COMFYUI_ARGS:-} || rc=1 ;;
+    ncu:*)  # Nsight Compute on one kernel-benchmark site: ncu:OP:SHAPE (e.g. ncu:swiglu:18432x4608:single),
+      # 40 fused calls, the 26th launch of a kernel whose name holds NCU_KERNEL (default OP; past the
+      # self-check's), NCU_SECTIONS (default speed of light, occupancy, warp states, scheduler), ncu.log
+      site=${step#ncu:}; op=${site%%:*}; shape=${site#*:}
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      sections=${NCU_SECTIONS:-SpeedOfLight Occupancy WarpStateStats SchedulerStats LaunchStats}
+      echo "--- $site" >> "$OUT/ncu.log"
+      "$ncu_bin" --clock-control none --kernel-name "regex:${NCU_KERNEL:-$op}" --launch-skip 25 --launch-count 1 \
+        $(printf -- '--section %s ' $sections) python3 -c "
+import sys, torch
+from flux2_fused.bench import kernel as kb
+size, tokens, layout = kb.parse_shape(sys.argv[1], sys.argv[2])
+case = kb.CASES[sys.argv[1]](size, tokens, 1, torch.bfloat16, *([layout] if layout else []))
+for i in range(40):
+    case.fused(*case.sets[i % len(case.sets)])
+torch.cuda.synchronize()" "$op" "$shape" 2>&1 | tee -a "$OUT/ncu.log" | grep -E "Duration|Throughput|Executed Ipc|Issue Slots|Eligible|Occupancy|Registers" || rc=1 ;;
     script:*) OUT=$OUT PYTHONPATH=/tmp/sglang:$PYTHONPATH python3 ${step#script:} 2>&1 | tee -a "$OUT/script.log" | tail -60 || rc=1 ;;
     step:*)  # the step benchmark with these options, a JSON and log numbered in run order
       runs=$((${runs:-0} + 1))
