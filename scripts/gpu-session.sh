@@ -209,8 +209,9 @@ import sys, torch
 from flux2_fused.bench import kernel as kb
 size, tokens, layout = kb.parse_shape(sys.argv[1], sys.argv[2])
 case = kb.CASES[sys.argv[1]](size, tokens, 1, torch.bfloat16, *([layout] if layout else []))
-for i in range(40):
-    case.fused(*case.sets[i % len(case.sets)])
+call = kb._rotating(case.fused, case.sets)
+for _ in range(40):
+    call()
 torch.cuda.synchronize()" "$op" "$shape" 2>&1 | tee -a "$OUT/ncu.log" | grep -E "Duration|Throughput|Executed Ipc|Issue Slots|Eligible|Occupancy|Registers" || rc=1 ;;
     script:*) OUT=$OUT PYTHONPATH=/tmp/sglang:$PYTHONPATH python3 ${step#script:} 2>&1 | tee -a "$OUT/script.log" | tail -60 || rc=1 ;;
     step:*)  # the step benchmark with these options, a JSON and log numbered in run order

@@ -54,9 +54,6 @@ constexpr int kUnroll = 4;
 constexpr int kMaxOperands = 2;
 constexpr int kMaxQuantizedWidth = 24576;  // the widest joint row the quantizing kernel stages
 
-template <typename T>
-using Quad = Packed<T, 2>;  // four elements, 8 bytes
-
 // kVec elements of T (4: 8 bytes, 8: 16 bytes), the unit a thread loads and stores.
 template <typename T, int kVec>
 using Vec = Packed<T, kVec / 2>;
