@@ -11,7 +11,8 @@ Sites (`--op`), the floors' bytes counted for bf16:
   (16 bytes), DxT:twin its single block's twin norms: two segments, the first 512 of the T tokens
   text, each its own two-term update and modulation rows, normalized into one joint buffer with both
   streams written in one launch (16 bytes). DxT:quant is FLUX.2's site writing torchao's per-row
-  float8 of the norm for the Linears that read it (7 bytes: the output one byte an element).
+  float8 of the norm for the Linears that read it (7 bytes: the output one byte an element);
+  DxT:update2-quant and DxT:twin-quant are FLUX.3's sites writing it (15 bytes).
 - qk_norm_rope, shapes HxT: one double block's attention prologue, H heads of 128, T joint tokens of
   which the first 512 are text: six projection outputs in (q, k, v of both streams), joint q, k, v
   out. Eager is diffusers' chain (RMSNorm modules, concat, RoPE, concat of v); fused is one launch
@@ -82,6 +83,9 @@ DEFAULT_SHAPES = {
         # FLUX.2 with torchao float8 linears per row: klein's single block norm, dev's.
         "3072x4608:quant",
         "6144x4608:quant",
+        # FLUX.3 [klein]'s norm sites quantizing for float8 Linears: an image mode block, a joint block.
+        "3072x4096:update2-quant",
+        "3072x4608:twin-quant",
     ],
     "qk_norm_rope": [
         "24x4608",
@@ -119,7 +123,8 @@ DEFAULT_SHAPES = {
 }
 # What a --shapes item of each op looks like, and the layouts after its colon ("" for none).
 SHAPE_FORMS = {
-    "gated_resnorm": "DxT, DxT:token, DxT:update2, DxT:twin or DxT:quant (hidden x tokens, e.g. 6144x4608)",
+    "gated_resnorm": "DxT, DxT:token, DxT:update2, DxT:twin, DxT:quant, DxT:update2-quant or DxT:twin-quant "
+    "(hidden x tokens, e.g. 6144x4608; quant: torchao's per-row float8 of the norm)",
     "qk_norm_rope": "HxT, HxT:single, HxT:upcast or HxT:qwen (heads x joint tokens, e.g. 24x4608)",
     "sandwich_norm": "DxT, DxT:first or DxT:last (hidden x tokens, e.g. 3840x4608)",
     "swiglu": "HxT, HxT:pair, HxT:quant, HxT:single, HxT:quant-tensor or HxT:single-tensor (hidden x "
@@ -129,7 +134,7 @@ SHAPE_FORMS = {
     "float8_quant": "KxT or KxT:tensor (row width x rows, e.g. 3072x4608; tensor: one scale)",
 }
 LAYOUTS = {
-    "gated_resnorm": ("", "token", "update2", "twin", "quant"),
+    "gated_resnorm": ("", "token", "update2", "twin", "quant", "update2-quant", "twin-quant"),
     "qk_norm_rope": ("", "single", "upcast", "qwen"),
     "sandwich_norm": ("", "first", "last"),
     "swiglu": ("", "pair", "quant", "single", "quant-tensor", "single-tensor"),
@@ -185,23 +190,24 @@ def gated_resnorm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, 
     modulation rows per token (chunks of a [B, T, 3D] tensor), "update2" and "twin" with two-term
     updates, "twin" over two segments (text first) each with its own rows. One segment runs the
     validated op against the reference; the twin norms `gated_resnorm.fused` (the guards, then the
-    launch) against `reference.segments`, both giving the joint norm and the joint stream. "quant":
-    FLUX.2's site through `gated_resnorm.quantized` against the reference then torchao's per-row
-    quantization of its out (eager's kernels), both giving (bytes, scales, stream)."""
+    launch) against `reference.segments`, both giving the joint norm and the joint stream. A layout
+    ending in "quant" is the site's quantizing form, `gated_resnorm.quantized` against the reference
+    then torchao's per-row quantization of its out (eager's kernels), both giving (bytes, scales,
+    stream)."""
     _check_layout("gated_resnorm", layout)
-    if layout == "quant":
-        return _gated_resnorm_quantized_case(width, tokens, batch, dtype)
-    twin = layout == "twin"
+    quant = layout.endswith("quant")
+    base = layout.removesuffix("quant").removesuffix("-")
+    twin = base == "twin"
     txt = min(TEXT_TOKENS, tokens - 1) if twin else 0
     sizes = (txt, tokens - txt) if twin else (tokens,)
-    two_terms = layout in ("update2", "twin")
+    two_terms = base in ("update2", "twin")
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device="cuda", dtype=dtype)
 
     def segment(rows: int) -> tuple:
         """(residual, update, gate, scale, shift[, update2]) of `rows` tokens."""
-        if layout:  # FLUX.3: per token, diffusers' (shift, scale, gate) chunks
+        if base:  # FLUX.3: per token, diffusers' (shift, scale, gate) chunks
             shift, scale, gate = randn(batch, rows, 3 * width).chunk(3, dim=-1)
         else:  # FLUX.2: the MLP's (shift, scale, gate), a row a sample
             shift, scale, gate = randn(batch, 1, 6 * width).chunk(6, dim=-1)[3:]
@@ -223,7 +229,16 @@ def gated_resnorm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, 
             return rows, parts[0][3], parts[0][4]
         return rows, tuple(p[3] for p in parts), tuple(p[4] for p in parts)
 
-    if twin:
+    if quant:
+
+        def eager(*args: torch.Tensor) -> tuple:
+            out, stream = gated_resnorm.reference.segments(*site(args), EPS)
+            return (*float8_quant.reference.quantize(out, "row"), stream)
+
+        def fused(*args: torch.Tensor) -> object:
+            return gated_resnorm.quantized(*site(args), EPS, write_residual=True)
+
+    elif twin:
 
         def eager(*args: torch.Tensor) -> tuple:
             return gated_resnorm.reference.segments(*site(args), EPS)
@@ -240,38 +255,15 @@ def gated_resnorm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, 
             return gated_resnorm.gated_resnorm(*args[:5], EPS, update2=args[5] if two_terms else None)
 
     elements = batch * tokens * width
-    # Read residual and update(s), write residual and output; per-token rows read three more.
-    floor_bytes = (4 + 3 * bool(layout) + two_terms) * elements * dtype.itemsize
+    # Read residual and update(s), write residual and output; per-token rows read three more; the
+    # quantizing form writes the output one byte an element.
+    values = 4 + 3 * bool(base) + two_terms - quant
+    floor_bytes = (values * dtype.itemsize + quant) * elements
     sets = _sets(make, floor_bytes)
-    if gated_resnorm.decline_reason(*site(sets[0])) is not None:
-        raise RuntimeError(f"fused path declined D={width} T={tokens} {layout or 'flux2'}")
-    return Case(sets, eager, fused, floor_bytes, width, f"gated_resnorm {layout}".strip())
-
-
-def _gated_resnorm_quantized_case(width: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
-    """gated_resnorm's quantizing form on FLUX.2's site (one modulation row a sample)."""
-
-    def make() -> tuple:
-        shift, scale, gate = torch.randn(batch, 1, 6 * width, device="cuda", dtype=dtype).chunk(6, dim=-1)[3:]
-        residual, update = (torch.randn(batch, tokens, width, device="cuda", dtype=dtype) for _ in range(2))
-        return residual, update, gate, scale, shift
-
-    def eager(residual, update, gate, scale, shift) -> tuple:
-        out, stream = gated_resnorm.gated_resnorm_reference(residual, update, gate, scale, shift, EPS)
-        return (*float8_quant.reference.quantize(out, "row"), stream)
-
-    def fused(residual, update, gate, scale, shift) -> tuple | None:
-        rows = [gated_resnorm.Segment(residual, update, gate)]
-        return gated_resnorm.quantized(rows, scale, shift, EPS, write_residual=True)
-
-    # Read residual and update, write the stream and the bytes.
-    floor_bytes = (3 * dtype.itemsize + 1) * batch * tokens * width
-    sets = _sets(make, floor_bytes)
-    residual, update, gate, scale, shift = sets[0]
-    reason = gated_resnorm.quantized_reason([gated_resnorm.Segment(residual, update, gate)], scale, shift)
+    reason = (gated_resnorm.quantized_reason if quant else gated_resnorm.decline_reason)(*site(sets[0]))
     if reason is not None:
-        raise RuntimeError(f"quantizing gated_resnorm declined D={width} T={tokens}: {reason}")
-    return Case(sets, eager, fused, floor_bytes, width, "gated_resnorm quant")
+        raise RuntimeError(f"fused path declined D={width} T={tokens} {layout or 'flux2'}: {reason}")
+    return Case(sets, eager, fused, floor_bytes, width, f"gated_resnorm {layout}".strip())
 
 
 def qk_norm_rope_case(heads: int, tokens: int, batch: int, dtype: torch.dtype, layout: str = "") -> Case:

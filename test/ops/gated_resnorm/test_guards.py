@@ -838,22 +838,17 @@ FORM_CASES = {
     ("addcmul", "update2"): "addcmul modulation takes one-term updates",
     ("addcmul", "wide"): "addcmul modulation takes D up to 6144, got 8192",
     ("addcmul", "per-segment"): "addcmul modulation takes one scale and shift for every row",
-    ("quantized", "per-token"): "the quantizing form takes one modulation row a batch, not per-token rows",
-    (
-        "quantized",
-        "per-token gate",
-    ): "the quantizing form takes one modulation row a batch, not per-token rows",
-    ("quantized", "update2"): "the quantizing form takes one-term updates",
     ("quantized", "other width"): "the quantizing form takes D of 3072, 4096, 6144, got 2048",
-    ("quantized", "per-segment"): "the quantizing form takes one scale and shift for every row",
+    ("quantized", "wide"): "the quantizing form takes D of 3072, 4096, 6144, got 8192",
 }
 
 
 @pytest.mark.parametrize(("form", "change"), FORM_CASES)
 def test_narrower_forms_decline_what_their_sites_do_not_use(form: str, change: str) -> None:
     """ComfyUI's modulation rounding is built for its FLUX.2 sites, the quantizing form (out as
-    torchao's per-row float8) for FLUX.1/FLUX.2's: anything else declines with a reason, and the
-    caller runs the eager chain (`reference`) or computes out for the Linear to quantize."""
+    torchao's per-row float8) for FLUX.1's, FLUX.2's and FLUX.3's widths: anything else declines
+    with a reason, and the caller runs the eager chain (`reference`) or computes out for the Linear
+    to quantize."""
     rows, scale, shift = _site_with(change)
     reason = FORM_CASES[form, change]
     if form == "addcmul":
@@ -875,12 +870,40 @@ def test_the_quantizing_form_takes_flux2s_sites_on_a_gpu_only(dim: int) -> None:
     plain = [gated_resnorm.Segment(rows[0].residual)]
     two = [rows[0], gated_resnorm.Segment(torch.randn(2, 3, dim), torch.randn(2, 3, dim), rows[0].gate)]
     for case in (rows, plain, two):
-        assert guards.quantized_form_reason(case, scale, shift) is None
-        assert (
-            gated_resnorm.quantized_reason(case, scale, shift)
-            == "tensors are on cpu, the fused kernel needs CUDA"
-        )
-        assert gated_resnorm.quantized(case, scale, shift, 1e-6, write_residual=True) is None
+        _declined_by_the_device_alone(case, scale, shift)
+
+
+def _declined_by_the_device_alone(
+    rows: list, scale: gated_resnorm.Modulation, shift: gated_resnorm.Modulation
+):
+    assert guards.quantized_form_reason(rows, scale, shift) is None
+    assert (
+        gated_resnorm.quantized_reason(rows, scale, shift)
+        == "tensors are on cpu, the fused kernel needs CUDA"
+    )
+    assert gated_resnorm.quantized(rows, scale, shift, 1e-6, write_residual=True) is None
+
+
+@pytest.mark.parametrize("change", ["per-token", "per-token gate", "update2", "per-segment"])
+def test_the_quantizing_form_takes_flux3s_sites_on_a_gpu_only(change: str) -> None:
+    """FLUX.3's sites (per-token modulation rows, the two-term update, a modulation a segment) are
+    the quantizing form's too: on the CPU only the device declines them."""
+    _declined_by_the_device_alone(*_site_with(change))
+
+
+def test_the_quantizing_form_takes_flux3s_twin_norms_on_a_gpu_only() -> None:
+    """FLUX.3's single block: text and image segments, each with its two-term update and its own
+    per-token modulation (chunks of a [B, T, 3D] tensor), into one joint norm."""
+    dim = 3072
+
+    def segment(tokens: int) -> tuple[gated_resnorm.Segment, torch.Tensor, torch.Tensor]:
+        shift, scale, gate = torch.randn(2, tokens, 3 * dim).chunk(3, dim=-1)
+        stream = (torch.randn(2, tokens, dim) for _ in range(3))
+        residual, update, update2 = stream
+        return gated_resnorm.Segment(residual, update, gate, update2=update2), scale, shift
+
+    (text, c_scale, c_shift), (image, scale, shift) = segment(3), segment(5)
+    _declined_by_the_device_alone([text, image], (c_scale, scale), (c_shift, shift))
 
 
 def test_the_quantizing_forms_reason_follows_its_call() -> None:

@@ -7,6 +7,8 @@ one modulation) first; then FLUX.3's: per-token modulation rows (chunks of [B, T
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -552,7 +554,7 @@ def test_flux2_layouts_still_take_the_flux2_kernels(gen):
     assert len(names) == 1 and ", true, true>" in names[0], names
 
 
-# The quantizing form: out as torchao's per-row float8, for FLUX.1/FLUX.2's sites.
+# The quantizing form: out as torchao's per-row float8, for FLUX.1's, FLUX.2's and FLUX.3's sites.
 
 QUANTIZED_TOKENS = [1, 7, 512, 4096, 4608]
 
@@ -623,20 +625,73 @@ def test_quantized_form_edge_values(dim, dtype, gen):
     assert _same_float8((q, q_scale), _float8_of(modnorm_reference(ref_stream, scale, shift)))
 
 
+def _flux3_cases(batch: int, tokens: int, dim: int, dtype: torch.dtype, gen: torch.Generator) -> dict:
+    """FLUX.3's norm sites as (rows, scale, shift, write_residual): a mode block's norm of its input
+    rows and of a pending two-term update, a one-term update, and a joint block's twin norms of two
+    pending two-term updates (text rows, then `tokens` image rows) or of two materialized streams,
+    each segment with its own per-token modulation (strided chunks of a [B, T, 3D] tensor, edge rows
+    in it)."""
+
+    def modulation(rows: int) -> tuple[torch.Tensor, ...]:
+        return _rows(batch, rows, 3 * dim, dtype, gen).chunk(3, dim=-1)
+
+    def segment(rows: int, terms: int) -> tuple[Segment, torch.Tensor, torch.Tensor]:
+        shift, scale, gate = modulation(rows)
+        residual = _rows(batch, rows, dim, dtype, gen)
+        if terms == 0:
+            return Segment(residual), scale, shift
+        update, update2 = (_rows(batch, rows, dim, dtype, gen) for _ in range(2))
+        return Segment(residual, update, gate, update2=update2 if terms == 2 else None), scale, shift
+
+    def twin(terms: int) -> tuple:
+        (text, c_scale, c_shift), (image, scale, shift) = segment(77, terms), segment(tokens, terms)
+        return [text, image], (c_scale, scale), (c_shift, shift), terms > 0
+
+    cases = {}
+    for name, terms in (("input rows", 0), ("one-term update", 1), ("two-term update", 2)):
+        rows, scale, shift = segment(tokens, terms)
+        cases[name] = [rows], scale, shift, True
+    cases["twin norms of pending updates"] = twin(2)
+    cases["twin norms of streams"] = twin(0)
+    return cases
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs sm_89"
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dim", [3072, 6144])
+@pytest.mark.parametrize("tokens", [7, 512, 4096])
+def test_quantized_form_takes_flux3s_per_token_sites(tokens, dim, batch, dtype, gen):
+    """Per-token modulation, two-term updates and twin segments (`_flux3_cases`): the bytes and
+    scales are torchao's quantization of eager's out and the stream is eager's, in one launch."""
+    for name, (rows, scale, shift, write_residual) in _flux3_cases(batch, tokens, dim, dtype, gen).items():
+        got = op.quantized(rows, scale, shift, 1e-6, write_residual=write_residual)
+        assert got is not None, (name, op.quantized_reason(rows, scale, shift, write_residual=write_residual))
+        ref_out, ref_stream = op.reference.segments(rows, scale, shift, 1e-6)
+        assert _same_float8(got[:2], _float8_of(ref_out)), name
+        if rows[0].gated:
+            assert bits_equal(got[2], ref_stream), name
+        elif write_residual:
+            assert got[2] is rows[0].residual, name
+        call = functools.partial(op.quantized, rows, scale, shift, 1e-6, write_residual=write_residual)
+        assert fused_launches(call) == 1, name
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs sm_89"
 )
 def test_quantized_form_self_check_and_declines(gen):
-    """Its own verdict per (D, dtype); per-token modulation and other widths decline to the caller."""
+    """Its own verdict per (D, dtype); other widths decline to the caller."""
     from flux2_fused.ops import runtime
 
     for dim in (3072, 4096, 6144):
         for dtype in (torch.bfloat16, torch.float16):
             passed, detail = op.self_check(torch.device("cuda"), op.Config(dim, dtype, "row"))
             assert passed, detail
+            assert "per-token" in detail, detail
     residual = _rows(1, 9, 3072, torch.bfloat16, gen)
-    per_token = _rows(1, 9, 3072, torch.bfloat16, gen)
-    assert op.quantized([Segment(residual)], per_token, per_token, 1e-6, write_residual=False) is None
     wide = _rows(1, 9, 8192, torch.bfloat16, gen)
     reason = op.quantized_reason([Segment(wide)], wide[:, :1], wide[:, :1])
     assert reason == "the quantizing form takes D of 3072, 4096, 6144, got 8192"

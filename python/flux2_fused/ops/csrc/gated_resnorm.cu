@@ -111,25 +111,32 @@ void launch_vecs(const Params<T>& p, int terms, bool row_mod, cudaStream_t strea
   }
 }
 
-// The quantizing form: one modulation row a batch, no update or one, D = 512 kVecs (FLUX.1/FLUX.2's
-// 3072, 4096, 6144); the Python guards decline everything else first.
-template <typename T, int kVecs>
+// The quantizing form: diffusers' rounding, D = 512 kVecs (3072, 4096, 6144), any update form and
+// modulation rows; the Python guards decline everything else first.
+template <typename T, int kVecs, bool kRowMod>
 void launch_quantized_terms(const Params<T>& p, int terms, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>(p.rows);
   if (terms == 0) {
-    gated_resnorm_kernel_quantized<T, kVecs, 0><<<grid, kThreads, 0, stream>>>(p);
+    gated_resnorm_kernel_quantized<T, kVecs, 0, kRowMod><<<grid, kThreads, 0, stream>>>(p);
+  } else if (terms == 1) {
+    gated_resnorm_kernel_quantized<T, kVecs, 1, kRowMod><<<grid, kThreads, 0, stream>>>(p);
   } else {
-    gated_resnorm_kernel_quantized<T, kVecs, 1><<<grid, kThreads, 0, stream>>>(p);
+    gated_resnorm_kernel_quantized<T, kVecs, 2, kRowMod><<<grid, kThreads, 0, stream>>>(p);
   }
+}
+
+template <typename T, int kVecs>
+void launch_quantized_vecs(const Params<T>& p, int terms, bool row_mod, cudaStream_t stream) {
+  if (row_mod) return launch_quantized_terms<T, kVecs, true>(p, terms, stream);
+  return launch_quantized_terms<T, kVecs, false>(p, terms, stream);
 }
 
 template <typename T>
 void launch_quantized(const Params<T>& p, int terms, bool row_mod, bool addcmul, cudaStream_t stream) {
-  TVM_FFI_ICHECK(!row_mod && !addcmul && terms < 2)
-      << "the quantizing form takes one modulation row a batch, diffusers' rounding and no update or one";
-  if (p.dim == 3072) return launch_quantized_terms<T, 6>(p, terms, stream);
-  if (p.dim == 4096) return launch_quantized_terms<T, 8>(p, terms, stream);
-  if (p.dim == 6144) return launch_quantized_terms<T, 12>(p, terms, stream);
+  TVM_FFI_ICHECK(!addcmul) << "the quantizing form takes diffusers' modulation rounding";
+  if (p.dim == 3072) return launch_quantized_vecs<T, 6>(p, terms, row_mod, stream);
+  if (p.dim == 4096) return launch_quantized_vecs<T, 8>(p, terms, row_mod, stream);
+  if (p.dim == 6144) return launch_quantized_vecs<T, 12>(p, terms, row_mod, stream);
   TVM_FFI_THROW(ValueError) << "the quantizing form takes D of 3072, 4096 or 6144, got " << p.dim;
 }
 

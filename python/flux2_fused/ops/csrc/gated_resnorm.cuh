@@ -381,11 +381,13 @@ __global__ void __launch_bounds__(kThreads) gated_resnorm_kernel(const Params<T>
   gated_resnorm_row<T, kVecs, kTerms, kRowMod, kFull, kAddcmul, false>(p);
 }
 
-// The quantizing form, instantiated for one modulation row a batch, no update or one, and D of 3072,
-// 4096 or 6144 (kFull): the FLUX.1/FLUX.2 sites whose norm only float8 Linears read.
-template <typename T, int kVecs, int kTerms>
+// The quantizing form, instantiated for D of 3072, 4096 or 6144 (kFull), diffusers' rounding, every
+// update form and both kinds of modulation rows: the FLUX.1/FLUX.2 sites (one row a batch) and
+// FLUX.3's (per token, two-term updates, the single block's twin segments) whose norm only float8
+// Linears read.
+template <typename T, int kVecs, int kTerms, bool kRowMod>
 __global__ void __launch_bounds__(kThreads) gated_resnorm_kernel_quantized(const Params<T> p) {
-  gated_resnorm_row<T, kVecs, kTerms, false, true, false, true>(p);
+  gated_resnorm_row<T, kVecs, kTerms, kRowMod, true, false, true>(p);
 }
 
 }  // namespace flux2_fused

@@ -119,6 +119,23 @@ def _accepted(segment: Segment, scale: torch.Tensor, shift: torch.Tensor) -> boo
     return guards.gated2(segment.residual, segment.update, segment.update2, segment.gate, scale, shift)
 
 
+def _all_accepted(rows: Sequence[Segment], scale: Modulation, shift: Modulation) -> bool:
+    """The guard of every segment of a launch, each with its modulation (its own, per segment)."""
+    if type(scale) is tuple:
+        return all(map(_accepted, rows, scale, shift))
+    for segment in rows:
+        # `_accepted`, its one-update branch inlined: FLUX.1/FLUX.2's sites pay no extra call.
+        if segment.update2 is not None:
+            accepted = _accepted(segment, scale, shift)
+        elif segment.deferred == "kernel" or segment.update is None:
+            accepted = guards.plain(segment.residual, scale, shift)
+        else:
+            accepted = guards.gated(segment.residual, segment.update, segment.gate, scale, shift)
+        if not accepted:
+            return False
+    return True
+
+
 def defer(
     residual: torch.Tensor,
     update: torch.Tensor,
@@ -185,20 +202,8 @@ def fused(
             return None
     except Exception:  # not segments of tensors: declined, as the guards decline garbage
         return None
-    if type(scale) is tuple:
-        if not all(map(_accepted, rows, scale, shift)):
-            return None
-    else:
-        for segment in rows:
-            # `_accepted`, its one-update branch inlined: FLUX.1/FLUX.2's sites pay no extra call.
-            if segment.update2 is not None:
-                accepted = _accepted(segment, scale, shift)
-            elif segment.deferred == "kernel" or segment.update is None:
-                accepted = guards.plain(segment.residual, scale, shift)
-            else:
-                accepted = guards.gated(segment.residual, segment.update, segment.gate, scale, shift)
-            if not accepted:
-                return None
+    if not _all_accepted(rows, scale, shift):
+        return None
     if rows[0].update is None:
         out = launch(rows, scale, shift, eps, write_residual=False, addcmul=addcmul)[0]
         return out, rows[0].residual if write_residual else None
@@ -254,7 +259,7 @@ def quantized(
             return None
     except Exception:  # not segments of tensors: declined, as the guards decline garbage
         return None
-    if not all(_accepted(segment, scale, shift) for segment in rows):
+    if not _all_accepted(rows, scale, shift):
         return None
     if quantized_runtime_reason(rows[0].residual) is not None:
         return None

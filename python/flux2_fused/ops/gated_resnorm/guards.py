@@ -10,7 +10,7 @@ declines: the caller then runs the eager chain (`reference.py`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -170,50 +170,33 @@ def modnorm_decline_reason(x: Any, scale: Any, shift: Any) -> Reason:
 ADDCMUL_MAX_DIM = 6144
 
 
-def _narrower_form_reason(
-    form: str,
-    rows: Sequence[Segment],
-    scale: Modulation,
-    shift: Modulation,
-    dim_reason: Callable[[int], str | None],
-) -> str | None:
-    """What a form built for FLUX.2's sites (one scale and shift for every row, one modulation row a
-    batch, no update or one) does not cover in these rows, `dim_reason` saying which widths it
-    takes; the reasons name the form."""
+def addcmul_reason(rows: Sequence[Segment], scale: Modulation, shift: Modulation) -> str | None:
+    """What the kernel's addcmul rounding (ComfyUI's) does not cover in these rows, or None: it is
+    built for ComfyUI's FLUX.2 sites, one scale and shift for every row, one modulation row a batch,
+    no update or one, D up to ADDCMUL_MAX_DIM."""
+    form = "addcmul modulation"
     if type(scale) is tuple or type(shift) is tuple:
         return f"{form} takes one scale and shift for every row"
     if any(segment.update2 is not None for segment in rows):
         return f"{form} takes one-term updates"
-    reason = dim_reason(rows[0].residual.shape[-1])
-    if reason is not None:
-        return reason
+    dim = rows[0].residual.shape[-1]
+    if dim > ADDCMUL_MAX_DIM:
+        return f"{form} takes D up to {ADDCMUL_MAX_DIM}, got {dim}"
     gates = [segment.gate for segment in rows if segment.gate is not None]
     if any(isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] != 1 for t in (scale, shift, *gates)):
         return f"{form} takes one modulation row a batch, not per-token rows"
     return None
 
 
-def addcmul_reason(rows: Sequence[Segment], scale: Modulation, shift: Modulation) -> str | None:
-    """What the kernel's addcmul rounding does not cover in these rows, or None."""
-
-    def dim_reason(dim: int) -> str | None:
-        if dim <= ADDCMUL_MAX_DIM:
-            return None
-        return f"addcmul modulation takes D up to {ADDCMUL_MAX_DIM}, got {dim}"
-
-    return _narrower_form_reason("addcmul modulation", rows, scale, shift, dim_reason)
-
-
 def quantized_form_reason(rows: Sequence[Segment], scale: Modulation, shift: Modulation) -> str | None:
     """What the quantizing form (out as torchao's per-row float8) does not cover in these rows, or
-    None: it is built for FLUX.1's and FLUX.2's sites, and D of 3072, 4096 or 6144."""
-
-    def dim_reason(dim: int) -> str | None:
-        if dim in QUANTIZED_DIMS:
-            return None
-        return f"the quantizing form takes D of {', '.join(map(str, QUANTIZED_DIMS))}, got {dim}"
-
-    return _narrower_form_reason("the quantizing form", rows, scale, shift, dim_reason)
+    None: it is built for D of 3072, 4096 and 6144 (FLUX.1's, FLUX.2's and FLUX.3's widths), with
+    every update form and modulation the kernel takes (FLUX.3's per-token rows, two-term updates and
+    twin segments included)."""
+    dim = rows[0].residual.shape[-1]
+    if dim in QUANTIZED_DIMS:
+        return None
+    return f"the quantizing form takes D of {', '.join(map(str, QUANTIZED_DIMS))}, got {dim}"
 
 
 def quantized_runtime_reason(residual: torch.Tensor) -> Reason:

@@ -49,13 +49,13 @@ def launch(
 
 
 def launch_quantized(
-    rows: Sequence[Segment], scale: torch.Tensor, shift: torch.Tensor, eps: float, *, write_residual: bool
+    rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float, *, write_residual: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The quantizing form of `launch` (one modulation row a batch, diffusers' rounding): (q, q_scale,
-    residual_out), q the e4m3fn bytes of torchao's per-row float8 of out (out's shape) and q_scale
-    its float32 scale a row ([..., 1]), as torchao's quantization of out would give them."""
+    """The quantizing form of `launch` (diffusers' rounding): (q, q_scale, residual_out), q the
+    e4m3fn bytes of torchao's per-row float8 of out (out's shape) and q_scale its float32 scale a
+    row ([..., 1]), as torchao's quantization of out would give them."""
     gate, modulation, segments = _arguments(rows, scale, shift)
-    shape = _empty_shape(rows, (*gate, scale, shift))
+    shape = _empty_shape(rows, (*gate, *modulation[:2]))
     device = rows[0].residual.device
     q = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
     q_scale = torch.empty((*shape[:-1], 1), dtype=torch.float32, device=device)

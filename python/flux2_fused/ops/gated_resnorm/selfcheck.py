@@ -148,9 +148,10 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
 def _check_quantized(
     device: torch.device, cases: dict[str, tuple[list[Segment], Modulation, Modulation]], shape: tuple
 ) -> tuple[bool, str]:
-    """The quantizing form's verdict over the cases it takes (one modulation row a batch, no update
-    or one): its bytes and scales against torchao's quantization (`float8_quant.reference`, eager's
-    kernels) of eager's out, and its stream against eager's."""
+    """The quantizing form's verdict over the cases it takes (every case at its widths: one
+    modulation row a batch and per token, one- and two-term updates, twin segments): its bytes and
+    scales against torchao's quantization (`float8_quant.reference`, eager's kernels) of eager's
+    out, and its stream against eager's."""
     from ..float8_quant import reference as float8_reference
     from ..float8_quant.selfcheck import same
     from .guards import quantized_form_reason  # the guards import this module's configurations
@@ -170,8 +171,9 @@ def _check_quantized(
     torch.cuda.synchronize(device)
     batch, tokens, dim, dtype = shape
     return True, (
-        f"{checked} quantizing cases x [{batch}, {tokens}, {dim}] {dtype} (per-batch and broadcast "
-        "modulation, two segments), random + edge rows + random bits, against torchao's per-row float8"
+        f"{checked} quantizing cases x [{batch}, {tokens}, {dim}] {dtype} (per-batch, broadcast and "
+        "per-token modulation, two-term updates, two segments), random + edge rows + random bits, "
+        "against torchao's per-row float8"
     )
 
 
@@ -185,7 +187,7 @@ def unbuilt(device: torch.device, config: Config) -> str | None:
 
 # 3072: FLUX.1, FLUX.2 klein-4B and FLUX.3 (24 heads x 128); 4096: klein-9B; 6144: FLUX.2 dev.
 VERIFY_DIMS = (3072, 4096, 6144, 8192, 16384, 4100)  # 4100 % 512 == 4: a partial last pass of the row
-# The quantizing form's hidden sizes (FLUX.1/FLUX.2's): one instantiation each.
+# The quantizing form's hidden sizes (FLUX.1's, FLUX.2's and FLUX.3's): one instantiation each.
 QUANTIZED_DIMS = (3072, 4096, 6144)
 OP = FusedOp(
     name="gated_resnorm",
