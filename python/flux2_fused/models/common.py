@@ -155,6 +155,15 @@ def float8_rows(host: Host, linears: Iterable[nn.Module]) -> bool:
     return found
 
 
+def attention_float8_rows(host: Host, attn: nn.Module) -> tuple[bool, bool]:
+    """Whether a double block's two norms before its attention may come as torchao's per-row float8
+    (`float8_rows`): (the image rows', read by `to_q`, `to_k`, `to_v`; the text rows', read by the
+    `add_*_proj`s), either fused into one projection."""
+    image = float8_rows(host, qkv_linears(attn, ("to_q", "to_k", "to_v"), "to_qkv"))
+    text = float8_rows(host, qkv_linears(attn, ("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv"))
+    return image, text
+
+
 def qkv_projections(
     attn: nn.Module,
     host: Host,

@@ -156,16 +156,11 @@ class Fusion:
         call: the bf16 norm is neither written nor read back. A reader that needs the values after
         all computes them from the stream (`dense`), the same bits."""
         rows = _segments(x)
-        if float8_rows and self.fused and not self.addcmul:
-            got = gated_resnorm.quantized(rows, scale, shift, eps, write_residual=True)
-            if got is not None:
-                q, q_scale, stream = got
-                assert stream is not None
-
-                def dense() -> torch.Tensor:
-                    return self.output_norm(stream, scale, shift, eps)
-
-                return Normed(Quantized(q, q_scale, "row", stream.dtype, dense), stream)
+        got = self._quantized(rows, scale, shift, eps, write_residual=True) if float8_rows else None
+        if got is not None:
+            q, q_scale, stream = got
+            assert stream is not None
+            return Normed(self._float8(q, q_scale, [stream], scale, shift, eps), stream)
         out, stream = gated_resnorm.apply(
             rows, scale, shift, eps, write_residual=True, enabled=self.fused, addcmul=self.addcmul
         )
@@ -173,38 +168,67 @@ class Fusion:
         return Normed(out, stream)
 
     def joint_norm(
-        self, parts: tuple[Stream, Stream], scale: Modulation, shift: Modulation, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self,
+        parts: tuple[Stream, Stream],
+        scale: Modulation,
+        shift: Modulation,
+        eps: float,
+        *,
+        float8_rows: bool = False,
+    ) -> tuple[torch.Tensor | Quantized, torch.Tensor, torch.Tensor]:
         """FLUX.3's twin norms: each of two streams normalized with its own modulation (`scale` and
         `shift` tuples of two), into one joint buffer, text first; returns (joint norm, first
         stream, second stream). Two pending updates are consumed by the launch, which writes both
         streams; otherwise the streams are materialized first and the launch writes only the norm
-        (one launch either way)."""
+        (one launch either way). float8_rows: as `norm`'s, the joint norm as torchao's per-row
+        float8 where the quantizing form takes the call."""
         first, second = parts
-        if isinstance(first, Segment) and isinstance(second, Segment):
+        pending = isinstance(first, Segment) and isinstance(second, Segment)
+        rows = [first, second] if pending else [Segment(materialize(part)) for part in parts]
+        got = self._quantized(rows, scale, shift, eps, write_residual=pending) if float8_rows else None
+        if got is None:
             out, joint = gated_resnorm.apply(
-                [first, second],
-                scale,
-                shift,
-                eps,
-                write_residual=True,
-                enabled=self.fused,
-                addcmul=self.addcmul,
+                rows, scale, shift, eps, write_residual=pending, enabled=self.fused, addcmul=self.addcmul
             )
+        else:
+            q, q_scale, joint = got
+        if pending:
             assert joint is not None
-            tokens = first.residual.shape[-2]
-            return out, joint[:, :tokens], joint[:, tokens:]
-        first, second = materialize(first), materialize(second)
-        out, _ = gated_resnorm.apply(
-            [Segment(first), Segment(second)],
-            scale,
-            shift,
-            eps,
-            write_residual=False,
-            enabled=self.fused,
-            addcmul=self.addcmul,
-        )
+            tokens = rows[0].residual.shape[-2]
+            first, second = joint[:, :tokens], joint[:, tokens:]
+        else:
+            first, second = (segment.residual for segment in rows)
+        if got is not None:
+            out = self._float8(q, q_scale, [first, second], scale, shift, eps)
         return out, first, second
+
+    def _quantized(
+        self, rows: list[Segment], scale: Modulation, shift: Modulation, eps: float, *, write_residual: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """(q, q_scale, stream) of a norm site from the kernel's quantizing form (`float8_rows`);
+        None where the form declines."""
+        if not self.fused or self.addcmul:
+            return None
+        return gated_resnorm.quantized(rows, scale, shift, eps, write_residual=write_residual)
+
+    def _float8(
+        self,
+        q: torch.Tensor,
+        q_scale: torch.Tensor,
+        streams: list[torch.Tensor],
+        scale: Modulation,
+        shift: Modulation,
+        eps: float,
+    ) -> Quantized:
+        """The quantizing form's (q, q_scale) as the norm's out for torchao's float8 Linears. Its
+        `dense` computes the values from the normalized streams (one, or one a segment where each
+        has its own modulation) with the plain kernel: the same bits."""
+
+        def dense() -> torch.Tensor:
+            plain = [Segment(t) for t in streams]
+            return gated_resnorm.apply(plain, scale, shift, eps, write_residual=False, enabled=self.fused)[0]
+
+        return Quantized(q, q_scale, "row", streams[0].dtype, dense)
 
     def output_norm(self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
         """The modulated norm of a stream that nothing reads afterwards: a pending update is consumed

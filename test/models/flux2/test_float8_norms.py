@@ -11,9 +11,8 @@ from torch import nn
 
 from flux2_fused.integrations.diffusers import enable
 from flux2_fused.models.flux2 import Flux2Transformer
-from flux2_fused.ops import float8_quant, gated_resnorm
 
-from ...test_float8_linear import to_float8
+from ..float8_norms import float8_blocks, hook_attention, quantizing_norms
 from .test_model import TINY, diffusers_model, make_inputs
 
 pytest.importorskip("torchao.quantization.quantize_.workflows.float8.float8_tensor")
@@ -24,25 +23,7 @@ def _model(kind: str, keep: tuple[str, ...] = ()) -> nn.Module:
     """The tiny diffusers FLUX.2 in bf16, its blocks' Linears torchao float8 (`kind` scales) but
     those whose names end with one of `keep`."""
     model = diffusers_model(Flux2Transformer.random(TINY, seed=5)).to(torch.bfloat16).eval()
-    for name, module in model.named_modules():
-        in_blocks = name.startswith(("transformer_blocks.", "single_transformer_blocks."))
-        if in_blocks and type(module) is nn.Linear and not name.endswith(keep):
-            to_float8(module, kind)
-    return model
-
-
-def _kernel_standin(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The quantizing form stood in for by torchao's per-row quantization of eager's out; returns
-    the segments of each call."""
-    calls: list[int] = []
-
-    def quantized(rows, scale, shift, eps, *, write_residual):
-        calls.append(len(rows))
-        out, stream = gated_resnorm.reference.segments(rows, scale, shift, eps)
-        return (*float8_quant.reference.quantize(out, "row"), stream if write_residual else None)
-
-    monkeypatch.setattr(gated_resnorm, "quantized", quantized)
-    return calls
+    return float8_blocks(model, ("transformer_blocks.", "single_transformer_blocks."), kind, keep)
 
 
 def _enabled_and_torchao(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +48,7 @@ def _enabled_and_torchao(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     ids=["every norm", "a bf16 to_k", "a bf16 text MLP", "bf16 single blocks", "per tensor"],
 )
 def test_norms_quantize_for_float8_linears_that_read_them_alone(kind, keep, sites, monkeypatch) -> None:
-    calls = _kernel_standin(monkeypatch)
+    calls = quantizing_norms(monkeypatch)
     enabled, expected = _enabled_and_torchao(_model(kind, keep))
     assert torch.equal(enabled, expected)
     assert len(calls) == sites
@@ -76,11 +57,9 @@ def test_norms_quantize_for_float8_linears_that_read_them_alone(kind, keep, site
 def test_an_attention_the_block_code_does_not_run_gets_the_norms_values(monkeypatch) -> None:
     """A hook on a double block's attention: its own call runs on the norm's values, computed from
     the stream where the norm came quantized (the same bits)."""
-    calls = _kernel_standin(monkeypatch)
+    calls = quantizing_norms(monkeypatch)
     model = _model("row")
-    model.transformer_blocks[0].attn.register_forward_pre_hook(
-        lambda module, args, kwargs: None, with_kwargs=True
-    )
+    hook_attention(model.transformer_blocks[0])
     enabled, expected = _enabled_and_torchao(model)
     assert torch.equal(enabled, expected)
     assert calls  # the other sites still quantize

@@ -61,13 +61,17 @@ def test_flow_map_small() -> None:
 @pytest.mark.parametrize("granularity", ["PerRow", "PerTensor"])
 def test_torchao_float8_small_is_the_quantized_models_bit_for_bit_and_fused(granularity: str) -> None:
     """torchao's dynamic float8 quantization (activations and weights scaled per row or per tensor) of
-    every Linear: the block code's quantized linears take their inputs from `float8_quant`, every
-    elementwise site around them fuses, and the output is the quantized model's own; with a reference
-    image, so all three modes run."""
+    every Linear: the block code's quantized linears take their inputs from `float8_quant` or, per
+    row, from the norm's own kernel (every mode block's norm and every joint block's twin norms),
+    every elementwise site around them fuses, and the output is the quantized model's own; with a
+    reference image, so all three modes run."""
     quantization = pytest.importorskip("torchao.quantization")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs sm_89 or newer")
-    model = flux3.random_transformer("flux3-small", torch.device("cuda"), torch.bfloat16)
+    # 24 heads: klein's width (3072), which the norms' quantizing form takes
+    model = flux3.random_transformer(
+        "flux3-small", torch.device("cuda"), torch.bfloat16, num_attention_heads=24
+    )
     config = quantization.Float8DynamicActivationFloat8WeightConfig(
         granularity=getattr(quantization, granularity)()
     )
@@ -75,6 +79,14 @@ def test_torchao_float8_small_is_the_quantized_models_bit_for_bit_and_fused(gran
     assert type(model.single_transformer_blocks[0].attn.to_q.weight) is not torch.nn.Parameter
     inputs = flux3.step_inputs("flux3-small", 2, 16 * 16, 64, torch.bfloat16, reference_tokens=128)
     _compare(model, inputs, True)
+    handle = enable(model)
+    with torch.inference_mode():
+        norms = fused_launches(
+            lambda: model(**inputs, return_dict=False), ("gated_resnorm_kernel_quantized",)
+        )
+    handle.disable()
+    sites = 3 * len(model.txt_mode_blocks) + len(model.single_transformer_blocks)
+    assert norms == (sites if granularity == "PerRow" else 0)
 
 
 def test_klein_at_1024() -> None:

@@ -40,10 +40,9 @@ def test_tiny_on_cuda(dtype: torch.dtype, padded: int) -> None:
     _check(model, inputs, support.TINY["num_layers"])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_one_block_at_qwen_images_width(dtype: torch.dtype) -> None:
+def _one_block_at_qwen_images_width(dtype: torch.dtype) -> tuple[torch.nn.Module, dict]:
     """One block of Qwen-Image's width on 64x64 packed latents (4096 tokens) and 512 text tokens,
-    64 of them padding: the prologue launches too."""
+    64 of them padding."""
     model = support.transformer(
         num_layers=1,
         attention_head_dim=128,
@@ -63,4 +62,29 @@ def test_one_block_at_qwen_images_width(dtype: torch.dtype) -> None:
         "timestep": torch.full((1,), 0.5, device="cuda"),
         "img_shapes": [(1, 64, 64)],
     }
-    _check(model, inputs, 1, prologues=True)
+    return model, inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_one_block_at_qwen_images_width(dtype: torch.dtype) -> None:
+    """The block's prologue launches too."""
+    _check(*_one_block_at_qwen_images_width(dtype), 1, prologues=True)
+
+
+def test_torchao_float8_per_row_norms_quantize_for_the_linears() -> None:
+    """torchao's per-row float8 on the block's Linears: the four modulated norms hand their Linears
+    their quantization from the norm's own kernel, and the output is the quantized model's."""
+    quantization = pytest.importorskip("torchao.quantization")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 needs sm_89 or newer")
+    model, inputs = _one_block_at_qwen_images_width(torch.bfloat16)
+    config = quantization.Float8DynamicActivationFloat8WeightConfig(granularity=quantization.PerRow())
+    quantization.quantize_(model.transformer_blocks, config)
+    with torch.inference_mode():
+        expected = model(**inputs).sample
+        handle = enable(model)
+        patched = model(**inputs).sample
+        norms = fused_launches(lambda: model(**inputs), ("gated_resnorm_kernel_quantized",))
+        handle.disable()
+    assert bits_equal(patched, expected)
+    assert norms == 4

@@ -24,19 +24,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...float8_linear import Quantized, dense
 from ...host import Host, dropout_inactive
 from ...ops import gelu_tanh
 from ..common import (
     Options,
     Rope,
+    attention_float8_rows,
     call_double_block,
     double_block_mlps,
+    float8_rows,
     joint_attention_rows,
     layer_norms_plain,
     module_rope,
     output_norm,
     project_activation,
     prologue,
+    qkv_linears,
     qkv_projections,
     split_modulation,
 )
@@ -74,27 +78,39 @@ def double_norms_plain(host: Host, block: nn.Module) -> bool:
     )
 
 
-def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor) -> torch.Tensor:
-    """diffusers' `FeedForward(activation_fn="gelu-approximate")`: GELU's projection, the tanh GELU,
-    an inactive dropout, the output Linear, computed here where all four are plain (and a final
-    dropout, where one is configured, inactive); else the module's own call."""
+def feed_forward_plain(host: Host, ff: nn.Module) -> bool:
+    """diffusers' `FeedForward(activation_fn="gelu-approximate")` the block code computes: GELU's
+    projection, the tanh GELU, an inactive dropout, the output Linear, all plain (and a final
+    dropout, where one is configured, inactive)."""
     net = list(ff.net)
-    if (
+    return (
         host.plain(ff)
         and len(net) in (3, 4)
         and gelu_plain(host, net[0])
         and all(dropout_inactive(host, m) for m in net[1::2])
-    ):
-        return project_activation(host, net[2], gelu_tanh, fusion, host.linear(net[0].proj, x))
-    return host.call(ff, x)
+    )
+
+
+def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, x: torch.Tensor | Quantized) -> torch.Tensor:
+    """The MLP on the block code where it is plain (`feed_forward_plain`), else the module's own
+    call (on x's values, where x came quantized)."""
+    if feed_forward_plain(host, ff):
+        return project_activation(host, ff.net[2], gelu_tanh, fusion, host.linear(ff.net[0].proj, x))
+    return host.call(ff, dense(x))
+
+
+def feed_forward_inputs(host: Host, ff: nn.Module) -> tuple[nn.Module, ...]:
+    """The Linears `feed_forward` reads its input with: GELU's projection, none where the module's
+    own call runs."""
+    return (ff.net[0].proj,) if feed_forward_plain(host, ff) else ()
 
 
 def joint_attention(
     attn: nn.Module,
     host: Host,
     fusion: Fusion,
-    x: torch.Tensor,
-    c: torch.Tensor,
+    x: torch.Tensor | Quantized,
+    c: torch.Tensor | Quantized,
     rope: Rope,
     options: Options,
 ) -> tuple[torch.Tensor, ...]:
@@ -105,8 +121,8 @@ def joint_attention(
     if attend is None:
         return host.call(
             attn,
-            hidden_states=x,
-            encoder_hidden_states=c,
+            hidden_states=dense(x),
+            encoder_hidden_states=dense(c),
             image_rotary_emb=module_rope(rope),
             **(options or {}),
         )
@@ -128,16 +144,17 @@ def double_block_body(
     """A double block on possibly-pending streams (image x, text c); `temb_act` is silu(temb), which
     both modulation Linears read. Returns both FFN updates, pending where nothing else reads them:
     the text stream is clipped in fp16, and an IP-Adapter's image update is added after the FFN's."""
+    attn = block.attn
+    image_rows, text_rows = attention_float8_rows(host, attn)
     (shift_msa, scale_msa, gate_msa), mlp_img = split_modulation(host.linear(block.norm1.linear, temb_act), 2)
-    x_norm, x = fusion.norm(x, scale_msa, shift_msa, block.norm1.norm.eps)
+    x_norm, x = fusion.norm(x, scale_msa, shift_msa, block.norm1.norm.eps, float8_rows=image_rows)
     (c_shift_msa, c_scale_msa, c_gate_msa), mlp_txt = split_modulation(
         host.linear(block.norm1_context.linear, temb_act), 2
     )
-    c_norm, c = fusion.norm(c, c_scale_msa, c_shift_msa, block.norm1_context.norm.eps)
-    x_attn, c_attn, *ip = joint_attention(block.attn, host, fusion, x_norm, c_norm, rope, options)
-    x_next, c_next = double_block_mlps(
-        block, host, fusion, (x, x_attn, gate_msa, mlp_img), (c, c_attn, c_gate_msa, mlp_txt), feed_forward
-    )
+    c_norm, c = fusion.norm(c, c_scale_msa, c_shift_msa, block.norm1_context.norm.eps, float8_rows=text_rows)
+    x_attn, c_attn, *ip = joint_attention(attn, host, fusion, x_norm, c_norm, rope, options)
+    image, text = (x, x_attn, gate_msa, mlp_img), (c, c_attn, c_gate_msa, mlp_txt)
+    x_next, c_next = double_block_mlps(block, host, fusion, image, text, feed_forward, feed_forward_inputs)
     if ip:  # the IP-Adapter's image update, after the feed-forward's, as diffusers adds it
         x_next = materialize(x_next) + ip[0]
     return x_next, c_next
@@ -165,7 +182,7 @@ def single_update(
     block: nn.Module,
     host: Host,
     fusion: Fusion,
-    h: torch.Tensor,
+    h: torch.Tensor | Quantized,
     rope: Rope,
     options: Options,
     text_tokens: int,
@@ -177,7 +194,7 @@ def single_update(
     attend = host.attention(block.attn, options, text_tokens)
     if attend is None or not gelu_plain(host, block.act_mlp):
         act = host.call(block.act_mlp, mlp)
-        out = host.call(block.attn, hidden_states=h, image_rotary_emb=rope, **(options or {}))
+        out = host.call(block.attn, hidden_states=dense(h), image_rotary_emb=rope, **(options or {}))
         return host.linear(block.proj_out, torch.cat([out, act], dim=2))
     attn = block.attn
     query, key, value = qkv_projections(attn, host, h, ("to_q", "to_k", "to_v"), "to_qkv")
@@ -199,7 +216,8 @@ def single_block_body(
     """A single block on a possibly-pending joint stream (text rows first); returns its update
     pending (clipped in fp16, so materialized there)."""
     ((shift, scale, gate),) = split_modulation(host.linear(block.norm.linear, temb_act), 1)
-    h_norm, h = fusion.norm(h, scale, shift, block.norm.norm.eps)
+    readers = (block.proj_mlp, *qkv_linears(block.attn, ("to_q", "to_k", "to_v"), "to_qkv"))
+    h_norm, h = fusion.norm(h, scale, shift, block.norm.norm.eps, float8_rows=float8_rows(host, readers))
     update = single_update(block, host, fusion, h_norm, rope, options, text_tokens)
     return fusion.add(h, update, gate, clip_fp16=True)
 

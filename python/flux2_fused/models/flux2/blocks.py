@@ -32,6 +32,7 @@ from ..common import (
     Rope,
     activation_op,
     activation_plain,
+    attention_float8_rows,
     call_double_block,
     double_block_mlps,
     feed_forward,
@@ -42,7 +43,6 @@ from ..common import (
     output_norm,
     project_activation,
     prologue,
-    qkv_linears,
     split_modulation,
 )
 from ..deferral import Fusion, PendingConcat, Stream, materialize, stream_rows
@@ -145,10 +145,7 @@ def double_block_body(
     (shift_msa, scale_msa, gate_msa), mlp_img = split_modulation(mod_img, 2)
     (c_shift_msa, c_scale_msa, c_gate_msa), mlp_txt = split_modulation(mod_txt, 2)
     attn = block.attn
-    image_rows = float8_rows(host, qkv_linears(attn, ("to_q", "to_k", "to_v"), "to_qkv"))
-    text_rows = float8_rows(
-        host, qkv_linears(attn, ("add_q_proj", "add_k_proj", "add_v_proj"), "to_added_qkv")
-    )
+    image_rows, text_rows = attention_float8_rows(host, attn)
     x_norm, x = fusion.norm(x, scale_msa, shift_msa, block.norm1.eps, float8_rows=image_rows)
     c_norm, c = fusion.norm(c, c_scale_msa, c_shift_msa, block.norm1_context.eps, float8_rows=text_rows)
     x_attn, c_attn = joint_attention(attn, host, fusion, x_norm, c_norm, rope, options)

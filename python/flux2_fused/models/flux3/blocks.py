@@ -23,9 +23,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...float8_linear import Quantized, dense
 from ...host import Host
 from ...ops import qk_norm_rope
-from ..common import Rope, feed_forward, layer_norms_plain, qk_norms, qkv_projections, split_modulation
+from ..common import (
+    Rope,
+    feed_forward,
+    feed_forward_inputs,
+    float8_rows,
+    layer_norms_plain,
+    qk_norms,
+    qkv_linears,
+    qkv_projections,
+    split_modulation,
+)
 from ..deferral import Fusion, Stream, materialize
 
 
@@ -61,24 +72,35 @@ def prologue(
     return q, k
 
 
-def attention(attn: nn.Module, host: Host, fusion: Fusion, h: torch.Tensor, rope: Rope) -> torch.Tensor:
+def attention(
+    attn: nn.Module, host: Host, fusion: Fusion, h: torch.Tensor | Quantized, rope: Rope
+) -> torch.Tensor:
     """`Flux3Attention` on the block code where the host has an attention for it: the q, k, v
     projections (after `fuse_projections()`, thirds of `to_qkv`'s output, as `Flux3AttnProcessor`
     chunks it), the fp32 prologue, the host's attention and the output projection; else the
-    module's own call."""
+    module's own call (on h's values, where h came quantized)."""
     attend = host.attention(attn, None, 0)
     if attend is None:
-        return host.call(attn, hidden_states=h, image_rotary_emb=rope)
+        return host.call(attn, hidden_states=dense(h), image_rotary_emb=rope)
     query, key, value = qkv_projections(attn, host, h, ("to_q", "to_k", "to_v"), "to_qkv")
     query, key = prologue(attn, host, fusion, query, key, rope, value.dtype)
     return host.linear(attn.to_out[0], attend(query, key, value))
 
 
 def parallel_update(
-    block: nn.Module, host: Host, fusion: Fusion, normed: torch.Tensor, rope: Rope
+    block: nn.Module, host: Host, fusion: Fusion, normed: torch.Tensor | Quantized, rope: Rope
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(attention, MLP) of one modulated norm, in diffusers' order."""
     return attention(block.attn, host, fusion, normed, rope), feed_forward(block.ff, host, fusion, normed)
+
+
+def norm_float8_rows(host: Host, block: nn.Module) -> bool:
+    """Whether the block's norm may come as torchao's per-row float8 (`Fusion.norm`'s `float8_rows`):
+    its readers, the attention's q, k, v projections and the MLP's input Linear, all quantize it
+    that way. Where the attention runs as the module's own call after all, it reads the norm's
+    values (`dense`)."""
+    attention_readers = qkv_linears(block.attn, ("to_q", "to_k", "to_v"), "to_qkv")
+    return float8_rows(host, (*attention_readers, *feed_forward_inputs(host, block.ff)))
 
 
 def mode_block_body(
@@ -86,7 +108,7 @@ def mode_block_body(
 ) -> Stream:
     """A mode block on a possibly-pending stream; returns `x + gate * (attn + mlp)` pending."""
     shift, scale, gate = split_modulation(mod, 1)[0]
-    normed, x = fusion.norm(x, scale, shift, block.norm.eps)
+    normed, x = fusion.norm(x, scale, shift, block.norm.eps, float8_rows=norm_float8_rows(host, block))
     attn_out, mlp_out = parallel_update(block, host, fusion, normed, rope)
     return fusion.add(x, attn_out, gate, update2=mlp_out)
 
@@ -133,7 +155,9 @@ def single_block_body(
     `stream + gate * (attn + mlp)` over its own rows left pending. Returns (text, content)."""
     shift, scale, gate = split_modulation(mod, 1)[0]
     c_shift, c_scale, c_gate = split_modulation(mod_context, 1)[0]
-    normed, c, x = fusion.joint_norm((c, x), (c_scale, scale), (c_shift, shift), block.norm.eps)
+    normed, c, x = fusion.joint_norm(
+        (c, x), (c_scale, scale), (c_shift, shift), block.norm.eps, float8_rows=norm_float8_rows(host, block)
+    )
     text_tokens = c.shape[1]
     attn_out, mlp_out = parallel_update(block, host, fusion, normed, rope)
     return (

@@ -28,9 +28,16 @@ from torch import nn
 
 from ...host import Host, functions_own
 from ...ops.qk_norm_rope.reference import complex_tables
-from ..common import HostRope, Options, double_block_mlps, layer_norms_plain, split_modulation
+from ..common import (
+    HostRope,
+    Options,
+    attention_float8_rows,
+    double_block_mlps,
+    layer_norms_plain,
+    split_modulation,
+)
 from ..deferral import Fusion, Stream, materialize, stream_dtype
-from ..flux1.blocks import feed_forward, joint_attention
+from ..flux1.blocks import feed_forward, feed_forward_inputs, joint_attention
 
 MODULE = "diffusers.models.transformers.transformer_qwenimage"
 NORMS = ("img_norm1", "txt_norm1", "img_norm2", "txt_norm2")
@@ -110,16 +117,16 @@ def double_block_body(
     (c_shift_msa, c_scale_msa, c_gate_msa), mlp_txt = split_modulation(
         host.linear(block.txt_mod[1], temb_act), 2
     )
-    x_norm, x = fusion.norm(x, scale_msa, shift_msa, block.img_norm1.eps)
-    c_norm, c = fusion.norm(c, c_scale_msa, c_shift_msa, block.txt_norm1.eps)
+    image_rows, text_rows = attention_float8_rows(host, block.attn)
+    x_norm, x = fusion.norm(x, scale_msa, shift_msa, block.img_norm1.eps, float8_rows=image_rows)
+    c_norm, c = fusion.norm(c, c_scale_msa, c_shift_msa, block.txt_norm1.eps, float8_rows=text_rows)
     x_attn, c_attn = joint_attention(block.attn, host, fusion, x_norm, c_norm, rope, options)
     # FLUX.1's second half under Qwen's names: residual, modulated norm2, MLP, gated residual.
     names = SimpleNamespace(
         norm2=block.img_norm2, norm2_context=block.txt_norm2, ff=block.img_mlp, ff_context=block.txt_mlp
     )
-    x, c = double_block_mlps(
-        names, host, fusion, (x, x_attn, gate_msa, mlp_img), (c, c_attn, c_gate_msa, mlp_txt), feed_forward
-    )
+    image, text = (x, x_attn, gate_msa, mlp_img), (c, c_attn, c_gate_msa, mlp_txt)
+    x, c = double_block_mlps(names, host, fusion, image, text, feed_forward, feed_forward_inputs)
     if stream_dtype(x) == torch.float16:  # the text stream is clipped already
         x = fusion.saturate(materialize(x))
     return x, c
