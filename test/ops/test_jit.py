@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -159,6 +160,25 @@ def test_cache_key_changes_with_arch_and_source_bytes(sources: Path, monkeypatch
         assert jit.cache_key(SPEC, ["9.0"], FAKE_NVCC) != key, name
         (sources / name).write_bytes(original)
     assert jit.cache_key(SPEC, ["9.0"], FAKE_NVCC) == key
+
+
+def _included(name: str) -> set[str]:
+    """The files `name` includes from the kernel folder, transitively."""
+    found: set[str] = set()
+    for line in (jit.CSRC / name).read_text().splitlines():
+        match = re.match(r'#include "([^"]+)"', line.strip())
+        if match and match[1] not in found:
+            found |= {match[1]} | _included(match[1])
+    return found
+
+
+@pytest.mark.parametrize("op", [op.name for op in OPS])
+def test_every_spec_names_every_file_its_module_is_built_from(op: str) -> None:
+    """The cache key digests the spec's files only: a header a source includes but the spec leaves
+    out would leave a stale build in use after that header changes."""
+    spec = next(o.spec for o in OPS if o.name == op)
+    built_from = set(spec.sources).union(*(_included(source) for source in spec.sources))
+    assert set(spec.sources) | set(spec.headers) == built_from
 
 
 def test_cache_key_changes_with_flags_and_toolchain(monkeypatch: pytest.MonkeyPatch) -> None:

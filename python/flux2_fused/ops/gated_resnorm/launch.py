@@ -10,7 +10,9 @@ from .. import jit
 from .reference import Modulation, Segment
 
 SPEC = jit.KernelSpec(
-    "gated_resnorm", sources=("gated_resnorm.cu",), headers=("gated_resnorm.cuh", "common.cuh", "entry.cuh")
+    "gated_resnorm",
+    sources=("gated_resnorm.cu",),
+    headers=("gated_resnorm.cuh", "float8_quant.cuh", "common.cuh", "entry.cuh"),
 )
 KERNEL = "gated_resnorm_kernel"  # SPEC's __global__ function, by which profilers name it (ops.FUSED_KERNELS)
 _NO_SEGMENT = (None, None, None, None)  # the second segment's residual, update, update2, gate: absent
