@@ -1,6 +1,6 @@
 """Shared by the families' float8 norm tests: a model's block Linears made torchao float8, and the
-norms' quantizing form (`gated_resnorm.quantized`) stood in for on the CPU by torchao's per-row
-quantization of eager's out, which the GPU tests prove the kernel writes."""
+norms' quantizing forms (`gated_resnorm.quantized`, `sandwich_norm.quantized`) stood in for on the
+CPU by torchao's per-row quantization of eager's out, which the GPU tests prove the kernels write."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from torch import nn
 
-from flux2_fused.ops import float8_quant, gated_resnorm
+from flux2_fused.ops import float8_quant, gated_resnorm, sandwich_norm
 
 from ..test_float8_linear import to_float8
 
@@ -38,10 +38,17 @@ def quantizing_norms(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         out, stream = gated_resnorm.reference.segments(rows, scale, shift, eps)
         return (*float8_quant.reference.quantize(out, "row"), stream if write_residual else None)
 
+    def sandwich(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        calls.append(1)
+        out, stream = sandwich_norm.reference.sandwich(*args, **kwargs)
+        return (*float8_quant.reference.quantize(out, "row"), stream)
+
     monkeypatch.setattr(gated_resnorm, "quantized", quantized)
+    monkeypatch.setattr(sandwich_norm, "quantized", sandwich)
     return calls
 
 
 def hook_attention(block: nn.Module) -> None:
     """A no-op forward pre-hook on a block's attention, which makes the block code call the module."""
-    block.attn.register_forward_pre_hook(lambda module, args, kwargs: None, with_kwargs=True)
+    attention = block.attention if hasattr(block, "attention") else block.attn  # Z-Image's name, FLUX's
+    attention.register_forward_pre_hook(lambda module, args, kwargs: None, with_kwargs=True)

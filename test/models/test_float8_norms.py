@@ -1,5 +1,6 @@
-"""CPU tests of FLUX.1's, FLUX.3's and Qwen-Image's norms handing torchao float8 Linears their input
-quantized (`Fusion.norm`'s and `Fusion.joint_norm`'s `float8_rows`; FLUX.2's are in
+"""CPU tests of FLUX.1's, FLUX.3's, Z-Image's and Qwen-Image's norms handing torchao float8 Linears
+their input quantized (`Fusion.norm`'s and `Fusion.joint_norm`'s `float8_rows`, Z-Image's
+`normed_site`; FLUX.2's are in
 flux2/test_float8_norms.py): where every Linear reading a norm quantizes per row, the norm's
 quantizing form runs (stood in for, `float8_norms.quantizing_norms`) and diffusers' model through
 `enable()` gives torchao eager's output; a norm with any other reader, per-tensor Linears and an
@@ -21,6 +22,7 @@ from .float8_norms import float8_blocks, hook_attention, quantizing_norms
 from .flux1 import support as flux1
 from .flux3 import support as flux3
 from .qwenimage import support as qwenimage
+from .zimage import support as zimage
 
 pytest.importorskip("torchao.quantization.quantize_.workflows.float8.float8_tensor")
 attention_backend = pytest.importorskip("diffusers.models.attention_dispatch").attention_backend
@@ -38,6 +40,17 @@ class Family:
     blocks: tuple[str, ...]
     sites: Callable[[nn.Module], int]
     reader: tuple[str, Callable[[nn.Module], int]]
+    output: Callable[[Any], torch.Tensor] = lambda out: out[0]
+
+
+def _with_pad_tokens(model: nn.Module) -> nn.Module:
+    """Z-Image with random padding tokens: torchao quantizes diffusers' zero ones to a NaN row (a zero
+    amax, a zero scale), which attention spreads to every output, so the outputs would compare NaNs."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("pad_token"):
+                p.normal_()
+    return model
 
 
 FAMILIES = {
@@ -64,6 +77,15 @@ FAMILIES = {
         lambda m: 3 * len(m.txt_mode_blocks) + len(m.single_transformer_blocks),
         ("single_transformer_blocks.0.ff.linear_in", lambda m: 1),
     ),
+    # A block's two sandwich sites with a next norm (q, k, v; w1 and w3): the main layers, both refiners.
+    "z-image": Family(
+        lambda: _with_pad_tokens(zimage.transformer().to(BF16)),
+        lambda: zimage.step_inputs(dtype=BF16),
+        ("layers.", "noise_refiner.", "context_refiner."),
+        lambda m: 2 * (len(m.layers) + len(m.noise_refiner) + len(m.context_refiner)),
+        ("layers.0.feed_forward.w3", lambda m: 1),
+        zimage.sample,
+    ),
     "qwen-image": Family(
         lambda: qwenimage.transformer().to(BF16),
         lambda: qwenimage.step_inputs(dtype=BF16),
@@ -74,10 +96,11 @@ FAMILIES = {
 }
 
 
-def _torchao_and_enabled(model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def _torchao_and_enabled(family: Family, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = family.inputs()
+
     def run() -> torch.Tensor:
-        out = model(**inputs, return_dict=False)
-        return out[0]
+        return family.output(model(**inputs, return_dict=False))
 
     with torch.inference_mode(), attention_backend("native"):
         expected = run()
@@ -97,7 +120,7 @@ def test_norms_quantize_for_float8_linears_that_read_them_alone(name: str, case:
     model = family.model()
     keep = (family.reader[0],) if case == "a bf16 reader" else ()
     float8_blocks(model, family.blocks, "tensor" if case == "per tensor" else "row", keep)
-    expected, enabled = _torchao_and_enabled(model, family.inputs())
+    expected, enabled = _torchao_and_enabled(family, model)
     assert torch.equal(enabled, expected)
     sites = {
         "every norm": family.sites(model),
@@ -106,16 +129,16 @@ def test_norms_quantize_for_float8_linears_that_read_them_alone(name: str, case:
     assert len(calls) == sites.get(case, 0)
 
 
-@pytest.mark.parametrize("name", ["flux1", "flux3", "qwen-image"])
+@pytest.mark.parametrize("name", ["flux1", "flux3", "z-image", "qwen-image"])
 def test_an_attention_the_block_code_does_not_run_gets_the_norms_values(name: str, monkeypatch) -> None:
     """A hook on the first block's attention: its own call runs on the norm's values, computed from
     the stream where the norm came quantized (the same bits); the other norms still quantize."""
     family = FAMILIES[name]
     calls = quantizing_norms(monkeypatch)
     model = float8_blocks(family.model(), family.blocks, "row")
-    first = model.txt_mode_blocks[0] if name == "flux3" else model.transformer_blocks[0]
-    hook_attention(first)
-    expected, enabled = _torchao_and_enabled(model, family.inputs())
+    first = {"flux3": "txt_mode_blocks", "z-image": "layers"}.get(name, "transformer_blocks")
+    hook_attention(getattr(model, first)[0])
+    expected, enabled = _torchao_and_enabled(family, model)
     assert torch.equal(enabled, expected)
     assert calls
 
@@ -125,6 +148,6 @@ def test_flux3s_twin_norms_quantize_both_segments(monkeypatch) -> None:
     calls = quantizing_norms(monkeypatch)
     family = FAMILIES["flux3"]
     model = float8_blocks(family.model(), family.blocks, "row")
-    expected, enabled = _torchao_and_enabled(model, family.inputs())
+    expected, enabled = _torchao_and_enabled(family, model)
     assert torch.equal(enabled, expected)
     assert calls.count(2) == len(model.single_transformer_blocks)

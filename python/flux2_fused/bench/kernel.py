@@ -26,7 +26,9 @@ Sites (`--op`), the floors' bytes counted for bf16:
 - sandwich_norm, shapes DxT: Z-Image's middle sandwich site [B, T, D]: the attention output's
   diffusers `RMSNorm`, its gated residual into the stream and the feed-forward's `RMSNorm` times its
   scale (8 bytes an element: read the stream and the update, write the stream and the output);
-  DxT:first the block's first norm times its scale (4 bytes), DxT:last its last gated update (6).
+  DxT:first the block's first norm times its scale (4 bytes), DxT:last its last gated update (6),
+  DxT:quant the middle site writing torchao's per-row float8 of the norm for the Linears that read it
+  (7 bytes).
 - swiglu, shapes HxT: one feed-forward activation, the [B, T, 2H] projection in (HxT:pair: Z-Image's
   two [B, T, H] projections), [B, T, H] out; the floor moves 6 bytes an output element. HxT:quant
   writes torchao's per-row float8 of it for the next Linear instead (5 bytes an element), HxT:single
@@ -102,7 +104,7 @@ DEFAULT_SHAPES = {
         "24x4608:qwen",
     ],
     # Z-Image-Turbo at 1024x1024: its main layers' joint rows (4096 image + 512 caption tokens).
-    "sandwich_norm": ["3840x4608", "3840x4608:first", "3840x4608:last"],
+    "sandwich_norm": ["3840x4608", "3840x4608:first", "3840x4608:last", "3840x4608:quant"],
     "swiglu": [
         "9216x4608",
         "18432x4608",
@@ -126,7 +128,8 @@ SHAPE_FORMS = {
     "gated_resnorm": "DxT, DxT:token, DxT:update2, DxT:twin, DxT:quant, DxT:update2-quant or DxT:twin-quant "
     "(hidden x tokens, e.g. 6144x4608; quant: torchao's per-row float8 of the norm)",
     "qk_norm_rope": "HxT, HxT:single, HxT:upcast or HxT:qwen (heads x joint tokens, e.g. 24x4608)",
-    "sandwich_norm": "DxT, DxT:first or DxT:last (hidden x tokens, e.g. 3840x4608)",
+    "sandwich_norm": "DxT, DxT:first, DxT:last or DxT:quant (hidden x tokens, e.g. 3840x4608; quant: "
+    "torchao's per-row float8 of the next norm)",
     "swiglu": "HxT, HxT:pair, HxT:quant, HxT:single, HxT:quant-tensor or HxT:single-tensor (hidden x "
     "tokens, e.g. 9216x4608; pair: a and b two tensors; quant: the float8 of it for the next Linear; "
     "single: of [attention | swiglu]; -tensor: with one scale for the tensor)",
@@ -136,7 +139,7 @@ SHAPE_FORMS = {
 LAYOUTS = {
     "gated_resnorm": ("", "token", "update2", "twin", "quant", "update2-quant", "twin-quant"),
     "qk_norm_rope": ("", "single", "upcast", "qwen"),
-    "sandwich_norm": ("", "first", "last"),
+    "sandwich_norm": ("", "first", "last", "quant"),
     "swiglu": ("", "pair", "quant", "single", "quant-tensor", "single-tensor"),
     "gelu_tanh": ("",),
     "float8_quant": ("", "tensor"),
@@ -329,7 +332,8 @@ def qk_norm_rope_case(heads: int, tokens: int, batch: int, dtype: torch.dtype, l
 def sandwich_norm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, layout: str = "") -> Case:
     """One of Z-Image's sandwich sites [B, T, D] (see the module docstring): the middle one (layout
     ""), the block's first norm ("first") or its last update ("last"), gates and scales one row a
-    sample, eps 1e-5."""
+    sample, eps 1e-5; "quant" the middle one's quantizing form, `sandwich_norm.quantized` against
+    the reference then torchao's per-row quantization of its out (eager's kernels)."""
     _check_layout("sandwich_norm", layout)
 
     def rows(std: float = 1.0) -> torch.Tensor:
@@ -351,14 +355,24 @@ def sandwich_norm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, 
         return (x, weight, 1e-5, scale, update, update_weight, gate)
 
     elements = batch * tokens * width
-    floor_bytes = {"": 4, "first": 2, "last": 3}[layout] * elements * dtype.itemsize
+    # Elements of T read and written (the middle site: x and the update in, the stream and out); the
+    # quantizing form writes out one byte an element.
+    values = {"": 4, "first": 2, "last": 3, "quant": 3}[layout]
+    floor_bytes = (values * dtype.itemsize + (layout == "quant")) * elements
     sets = _sets(make, floor_bytes)
-    if sandwich_norm.decline_reason(*sets[0]) is not None:
-        raise RuntimeError(f"fused path declined D={width} T={tokens} {layout or 'middle'}")
-    label = f"sandwich_norm {layout}".strip()
-    return Case(
-        sets, sandwich_norm.reference.sandwich, sandwich_norm.sandwich_norm, floor_bytes, width, label
-    )
+    if layout == "quant":
+
+        def eager(*args: object) -> tuple:
+            out, stream = sandwich_norm.reference.sandwich(*args)
+            return (*float8_quant.reference.quantize(out, "row"), stream)
+
+        fused, reason = sandwich_norm.quantized, sandwich_norm.quantized_reason(*sets[0])
+    else:
+        eager, fused = sandwich_norm.reference.sandwich, sandwich_norm.sandwich_norm
+        reason = sandwich_norm.decline_reason(*sets[0])
+    if reason is not None:
+        raise RuntimeError(f"fused path declined D={width} T={tokens} {layout or 'middle'}: {reason}")
+    return Case(sets, eager, fused, floor_bytes, width, f"sandwich_norm {layout}".strip())
 
 
 def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout: str = "") -> Case:

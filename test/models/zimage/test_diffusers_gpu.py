@@ -40,12 +40,9 @@ def test_tiny_on_cuda(dtype: torch.dtype) -> None:
     _check(model, _cuda(support.step_inputs(dtype=dtype)), 0)
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_at_z_image_turbos_width(dtype: torch.dtype, batch: int) -> None:
-    """One main layer and one refiner of each kind at D = 3840: each block's prologue is one launch,
-    its sandwich norms three, its feed-forward's SwiGLU one; captions of 500 and 480 rows are padded
-    (and masked) to 512."""
+def _at_z_image_turbos_width(dtype: torch.dtype, batch: int) -> tuple[torch.nn.Module, dict]:
+    """One main layer and one refiner of each kind at D = 3840; captions of 500 and 480 rows are
+    padded (and masked) to 512."""
     model = support.transformer(
         dim=3840,
         n_heads=30,
@@ -64,4 +61,37 @@ def test_at_z_image_turbos_width(dtype: torch.dtype, batch: int) -> None:
             torch.randn(n, 2560, generator=gen, device="cuda").to(dtype) for n in (500, 480)[:batch]
         ],
     }
-    _check(model, inputs, 3 * 5)
+    return model, inputs
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_at_z_image_turbos_width(dtype: torch.dtype, batch: int) -> None:
+    """Each block's prologue is one launch, its sandwich norms three, its feed-forward's SwiGLU one."""
+    _check(*_at_z_image_turbos_width(dtype, batch), 3 * 5)
+
+
+def test_torchao_float8_per_row_sandwich_norms_quantize_for_the_linears() -> None:
+    """torchao's per-row float8 on the blocks' Linears: the two sandwich sites a block whose next norm
+    only float8 Linears read (q, k, v; w1 and w3) hand them their quantization from the site's own
+    kernel, and the output is the quantized model's (random padding tokens: torchao quantizes
+    diffusers' zero ones to NaN rows, which attention spreads to every output)."""
+    quantization = pytest.importorskip("torchao.quantization")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 needs sm_89 or newer")
+    model, inputs = _at_z_image_turbos_width(torch.bfloat16, 2)
+    with torch.no_grad():
+        model.x_pad_token.normal_()
+        model.cap_pad_token.normal_()
+    config = quantization.Float8DynamicActivationFloat8WeightConfig(granularity=quantization.PerRow())
+    for stack in (model.layers, model.noise_refiner, model.context_refiner):
+        quantization.quantize_(stack, config)
+    with torch.inference_mode():
+        expected = support.sample(model(**inputs))
+        handle = enable(model)
+        patched = support.sample(model(**inputs))
+        sites = fused_launches(lambda: model(**inputs), ("sandwich_norm_kernel<__nv_bfloat16, true>",))
+        handle.disable()
+    assert not expected.isnan().all()
+    assert bits_equal(patched, expected)
+    assert sites == 2 * 3

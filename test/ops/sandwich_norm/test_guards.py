@@ -111,9 +111,40 @@ def test_decline_reason(name: str) -> None:
         sandwich_norm.sandwich_norm(*args)
 
 
+# What the quantizing form (out as torchao's per-row float8) declines besides the plain kernel's cases.
+QUANTIZED_CASES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "the block's last update (no next norm)": (
+        _args(weight=None, scale=None),
+        "the quantizing form needs a next norm",
+    ),
+}
+
+
 def test_every_decline_reason_has_a_case() -> None:
-    missing = untested(reason_templates(guards), [reason for _, reason in CASES.values()])
+    reasons = [reason for _, reason in (*CASES.values(), *QUANTIZED_CASES.values())]
+    missing = untested(reason_templates(guards), reasons)
     assert not missing, f"decline reasons without a test case: {missing}"
+
+
+@pytest.mark.usefixtures("accept_runtime")
+def test_the_quantizing_form_declines_what_the_kernel_declines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain kernel's every decline first, then its own: a site without a next norm, and a GPU
+    older than sm_89 (no float8 GEMMs), where it is not built; the sites with a next norm otherwise."""
+    monkeypatch.setattr(runtime, "capability", lambda device: (9, 0))
+    for name, (args, expected) in {**CASES, **QUANTIZED_CASES}.items():
+        assert sandwich_norm.quantized_reason(*args) == expected, name
+        assert sandwich_norm.quantized(*args) is None, name
+    x, w, eps, scale, update, uw, gate = _args()
+    for args in (
+        (x, w, eps, scale),
+        (x, w, eps, scale, update, uw, gate),
+        (x, w, eps, None, update, uw, None),
+    ):
+        assert sandwich_norm.quantized_reason(*args) is None
+    monkeypatch.setattr(runtime, "capability", lambda device: (8, 0))
+    reason = "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
+    assert sandwich_norm.quantized_reason(x, w, eps, scale) == reason
+    assert sandwich_norm.quantized(x, w, eps, scale) is None
 
 
 @pytest.mark.usefixtures("accept_runtime")
@@ -156,6 +187,7 @@ def test_each_width_and_dtype_asks_its_own_self_check(monkeypatch: pytest.Monkey
     assert sandwich_norm.decline_reason(*_args()) is None
     assert sandwich_norm.decline_reason(_rows(384), _vec(384), 1e-5) == "self-check failed: D=384 bfloat16"
     assert str(Config(torch.float16)) == "D=3840 float16"
+    assert str(Config(torch.bfloat16, quantized="row")) == "D=3840 bfloat16 quantized per row"
 
 
 def test_the_cpu_runs_the_eager_chain() -> None:

@@ -115,3 +115,58 @@ def test_fewer_than_16_rows_run_the_eager_chain(tokens, gen):
     _assert_equal(
         sandwich_norm.apply(*args[:2], 1e-5, *args[2:]), reference.sandwich(*args[:2], 1e-5, *args[2:])
     )
+
+
+# The quantizing form: out as torchao's per-row float8, for the float8 Linears that read it alone.
+
+needs_sm89 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs sm_89"
+)
+
+
+def _float8_of(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's per-row quantization of eager's out (float8_quant's reference, eager's kernels)."""
+    from flux2_fused.ops.float8_quant import reference as float8_reference
+
+    return float8_reference.quantize(out, "row")
+
+
+def _assert_quantized(args: tuple) -> None:
+    """The quantizing form of a site: torchao's bytes and scales of eager's out, eager's stream, in
+    one launch of the quantizing kernel."""
+    from flux2_fused.ops.float8_quant.selfcheck import same
+
+    from ...conftest import fused_launches
+
+    got = sandwich_norm.quantized(*args)
+    assert got is not None, sandwich_norm.quantized_reason(*args)
+    out, stream = reference.sandwich(*args)
+    assert same(got[:2], _float8_of(out))
+    assert got[2] is args[0] if len(args) < 5 else bits_equal(got[2], stream)
+    assert fused_launches(lambda: sandwich_norm.quantized(*args), (sandwich_norm.KERNEL,)) == 1
+
+
+@needs_sm89
+@pytest.mark.parametrize("variant", [name for name in VARIANTS if name != "gated update alone"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize(("tokens", "hidden"), [(17, 3840), (4608, 3840), (16, 256), (33, 1024), (19, 3968)])
+def test_quantized_form_is_torchaos_float8_of_eagers_out(variant, dtype, batch, tokens, hidden, gen):
+    """Every site with a next norm, edge rows included (zero, NaN and Inf rows, huge and tiny)."""
+    _assert_quantized(VARIANTS[variant](*_site(batch, tokens, hidden, dtype, gen)))
+
+
+@needs_sm89
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_quantized_form_random_bit_patterns_and_self_check(dtype, gen):
+    """Any rows, weights, gates and scales (subnormals, NaN, Inf, rows at the float8 maximum), and the
+    form's own verdict per (dtype, D); the block's last update (no next norm) declines."""
+    for hidden in (3840, 512):
+        rows = [random_bits((2, 37, hidden), dtype, gen) for _ in range(2)]
+        vectors = [random_bits((hidden,), dtype, gen) for _ in range(2)]
+        batch_rows = [random_bits((2, 1, hidden), dtype, gen) for _ in range(2)]
+        _assert_quantized((rows[0], vectors[0], 1e-5, batch_rows[0], rows[1], vectors[1], batch_rows[1]))
+        passed, detail = sandwich_norm.OP.self_check(torch.device("cuda"), Config(dtype, hidden, "row"))
+        assert passed, detail
+    x, _, _, update, update_weight, gate = _site(2, 37, 3840, dtype, gen)
+    assert sandwich_norm.quantized(x, None, 1e-5, None, update, update_weight, gate) is None

@@ -15,7 +15,9 @@ The fused sites are the attention prologue (both q/k norms and the rotation in o
 norm, "complex" rotation, a table a sample), the sandwich norms (`sandwich_norm`: three launches a
 block, each a norm of a block output with its gated residual and the next norm with its scale) and
 the feed-forward's SwiGLU of its two projections (`swiglu` with `b`); the modulation and the
-projections are the modules' own calls in diffusers' order.
+projections are the modules' own calls in diffusers' order. Where only torchao's per-row float8
+Linears read a sandwich site's next norm (q, k, v; w1 and w3), the site writes their quantization
+of it instead (`sandwich_norm.quantized`).
 Per-token modulation (the Omni models' `noise_mask`) runs diffusers' own forward.
 """
 
@@ -27,10 +29,11 @@ import torch
 from torch import nn
 
 from ... import float8_linear
+from ...float8_linear import Quantized, dense
 from ...host import Host, methods_unpatched
 from ...ops import sandwich_norm, swiglu
 from ...ops.qk_norm_rope.reference import complex_tables
-from ..common import HostRope, project_activation, prologue, qkv_projections
+from ..common import HostRope, float8_rows, project_activation, prologue, qkv_projections
 from ..deferral import Fusion
 
 MODULE = "diffusers.models.transformers.transformer_z_image"
@@ -60,35 +63,41 @@ def attention(
     attn: nn.Module,
     host: Host,
     fusion: Fusion,
-    h: torch.Tensor,
+    h: torch.Tensor | Quantized,
     mask: torch.Tensor | None,
     freqs_cis: torch.Tensor,
 ) -> torch.Tensor:
     """The attention module on rows h: q, k, v from its Linears, the prologue (its two norms and the
     rotation), the host's attention under the mask, the output Linear; the module's own call where
     the host has no attention for it, its q/k norms are missing or its projections are fused
-    (the processor keeps using the separate Linears)."""
+    (the processor keeps using the separate Linears; on h's values, where h came quantized)."""
     options = {MASK: mask} if mask is not None else None
     attend = host.attention(attn, options, 0)
-    if (
-        attend is None
-        or attn.norm_q is None
-        or attn.norm_k is None
-        or getattr(attn, "fused_projections", False)
-    ):
-        return host.call(attn, h, attention_mask=mask, freqs_cis=freqs_cis)
+    if attend is None or not attention_parts(attn):
+        return host.call(attn, dense(h), attention_mask=mask, freqs_cis=freqs_cis)
     query, key, value = qkv_projections(attn, host, h, ("to_q", "to_k", "to_v"), "to_qkv")
     rope = host_rope(freqs_cis)
     query, key, _ = prologue(host, fusion, [(query, attn.norm_q)], [(key, attn.norm_k)], rope)
     return host.linear(attn.to_out[0], attend(query, key, value))
 
 
-def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, h: torch.Tensor) -> torch.Tensor:
-    """`w2(silu(w1(h)) * w3(h))` with the SwiGLU of the two projections by the op, where the host may
-    compute the module's forward and its `_forward_silu_gating` is its own (on the class and the
-    instance); else the module's own call."""
-    if not (host.plain(ff) and methods_unpatched(type(ff), GATING) and GATING[0] not in ff.__dict__):
-        return host.call(ff, h)
+def attention_parts(attn: nn.Module) -> bool:
+    """The attention has what its block code computes with: both q/k norms, separate projections."""
+    norms = attn.norm_q is not None and attn.norm_k is not None
+    return norms and not getattr(attn, "fused_projections", False)
+
+
+def feed_forward_plain(host: Host, ff: nn.Module) -> bool:
+    """The host may compute the module's forward and its `_forward_silu_gating` is its own (on the
+    class and the instance)."""
+    return host.plain(ff) and methods_unpatched(type(ff), GATING) and GATING[0] not in ff.__dict__
+
+
+def feed_forward(ff: nn.Module, host: Host, fusion: Fusion, h: torch.Tensor | Quantized) -> torch.Tensor:
+    """`w2(silu(w1(h)) * w3(h))` with the SwiGLU of the two projections by the op, where
+    `feed_forward_plain`; else the module's own call (on h's values, where h came quantized)."""
+    if not feed_forward_plain(host, ff):
+        return host.call(ff, dense(h))
     with float8_linear.shared(h):
         gate, up = host.linear(ff.w1, h), host.linear(ff.w3, h)
     return project_activation(host, ff.w2, swiglu, fusion, gate, b=up)
@@ -153,12 +162,47 @@ def block_call(
         return _gated(x, host.call(block.ffn_norm2, mlp), gate_mlp)
     (attention_norm1, attention_norm2, ffn_norm1, ffn_norm2), eps = weights
     site = partial(sandwich_norm.apply, eps=eps, enabled=fusion.fused)
-    h, _ = site(x, attention_norm1, scale=scale_msa)
-    attn_out = attention(block.attention, host, fusion, h, attn_mask, freqs_cis)
-    h, x = site(x, ffn_norm1, scale=scale_mlp, update=attn_out, update_weight=attention_norm2, gate=gate_msa)
-    mlp = feed_forward(block.feed_forward, host, fusion, h)
+    attn, ff = block.attention, block.feed_forward
+    readers = (attn.to_q, attn.to_k, attn.to_v) if attention_parts(attn) else ()
+    h, _ = normed_site(host, fusion, readers, x, attention_norm1, eps, scale=scale_msa)
+    attn_out = attention(attn, host, fusion, h, attn_mask, freqs_cis)
+    readers = (ff.w1, ff.w3) if feed_forward_plain(host, ff) else ()
+    update = {"update": attn_out, "update_weight": attention_norm2, "gate": gate_msa}
+    h, x = normed_site(host, fusion, readers, x, ffn_norm1, eps, scale=scale_mlp, **update)
+    mlp = feed_forward(ff, host, fusion, h)
     _, x = site(x, None, update=mlp, update_weight=ffn_norm2, gate=gate_mlp)
     return x
+
+
+def normed_site(
+    host: Host,
+    fusion: Fusion,
+    readers: tuple[nn.Module, ...],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    **kwargs: torch.Tensor | None,
+) -> tuple[torch.Tensor | Quantized, torch.Tensor]:
+    """A sandwich site with a next norm that the `readers` Linears alone read: (its out, the stream).
+    Where each of them quantizes its input per row for torchao's float8 GEMM (`float8_rows`), the out
+    comes as that quantization from the site's quantizing form where it takes the call; its `dense`
+    computes the values from the stream with the plain site, the same bits. Else
+    `sandwich_norm.apply`."""
+    if fusion.fused and float8_rows(host, readers):
+        got = sandwich_norm.quantized(x, weight, eps, **kwargs)
+        if got is not None:
+            q, q_scale, stream = got
+            scale = kwargs.get("scale")
+
+            def values() -> torch.Tensor:
+                out, _ = sandwich_norm.apply(stream, weight, eps, scale, enabled=fusion.fused)
+                assert out is not None
+                return out
+
+            return Quantized(q, q_scale, "row", stream.dtype, values), stream
+    out, stream = sandwich_norm.apply(x, weight, eps, enabled=fusion.fused, **kwargs)
+    assert out is not None
+    return out, stream
 
 
 # The feed-forward's gating method, which its forward calls (a replacement of it must run).

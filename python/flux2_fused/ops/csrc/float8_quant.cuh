@@ -117,6 +117,23 @@ __device__ __forceinline__ Divisor divisor_of(float scale) {
   return {scale, __frcp_rn(scale), scale >= 0x1p-100f && scale <= 0x1p100f};
 }
 
+// A row's divisor where a block of kBlockWarps warps holds the row, from each thread's max of its
+// values' magnitude bits: the block's max (each warp's by __reduce_max_sync, then every thread takes
+// the max of the warps' words after one barrier: a max in another grouping, the same value), its
+// scale stored at *scale by thread 0. Every thread of the block must call it.
+template <typename T, int kBlockWarps>
+__device__ __forceinline__ Divisor row_divisor(unsigned int m, float* scale) {
+  __shared__ unsigned int warp_max[kBlockWarps];
+  m = __reduce_max_sync(0xffffffffu, m);
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kBlockWarps; ++w) m = max(m, warp_max[w]);
+  const float s = scale_of<T>(m);
+  if (threadIdx.x == 0) *scale = s;
+  return divisor_of(s);
+}
+
 // Two elements of a row on the short path: x / scale correctly rounded by Markstein's correction of
 // x * RN(1 / scale) (exact remainder by FMA, one corrected product) with x's sign put back (a -0
 // quotient comes out of the correction as +0; the scale is positive, so the quotient's sign is x's),

@@ -203,8 +203,8 @@ struct RowRef {
 };
 
 // The quantizing form's output: the row's amax (a max of T magnitude bits, NaN above everything, as
-// float8_quant's), its scale, and its values as e4m3fn bytes, four a thread's vector. Each warp
-// reduces its lanes, and every thread then takes the max of the four warps' (one barrier).
+// float8_quant's), its scale (`row_divisor`: one barrier), and its values as e4m3fn bytes, four a
+// thread's vector.
 template <typename T, int kVecs>
 __device__ __forceinline__ void quantize(const Params<T>& p, const Packed4<T> (&o)[kVecs], int owned, int64_t row) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
@@ -215,14 +215,7 @@ __device__ __forceinline__ void quantize(const Params<T>& p, const Packed4<T> (&
   for (int j = 0; j < kVecs; ++j) {
     if (j < owned) m = max(m, float8_quant::packed_max<T, 2>(o[j]));
   }
-  __shared__ unsigned int warp_max[kWarps];
-  m = __reduce_max_sync(0xffffffffu, m);
-  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-  __syncthreads();
-  m = max(max(warp_max[0], warp_max[1]), max(warp_max[2], warp_max[3]));
-  const float scale = float8_quant::scale_of<T>(m);
-  if (threadIdx.x == 0) p.q_scale[row] = scale;
-  const float8_quant::Divisor d = float8_quant::divisor_of(scale);
+  const float8_quant::Divisor d = float8_quant::row_divisor<T, kWarps>(m, p.q_scale + row);
   unsigned int* q = reinterpret_cast<unsigned int*>(p.q + row * p.dim) + threadIdx.x;
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {

@@ -2,7 +2,8 @@
 // The Python layer (flux2_fused/ops/sandwich_norm/) validates every input and decides when the kernel
 // may run; the checks here only stop a misuse from touching the wrong memory. `stream` and `update`
 // come together (the gated update of the stream), `out` and `weight` together (the next norm); the
-// gate and the scale are optional rows, one a batch element or one for all.
+// gate and the scale are optional rows, one a batch element or one for all. With q_scale, out is the
+// quantizing form's e4m3fn bytes and q_scale its scale a row.
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/extra/cuda/device_guard.h>
@@ -54,7 +55,8 @@ const T* batch_rows(const Optional<TensorView>& opt, int64_t batch, int64_t hidd
 }
 
 template <typename T>
-void run(Optional<TensorView> out, Optional<TensorView> stream, TensorView x, Optional<TensorView> update,
+void run(Optional<TensorView> out, Optional<TensorView> q_scale, Optional<TensorView> stream, TensorView x,
+         Optional<TensorView> update,
          Optional<TensorView> weight, Optional<TensorView> update_weight, Optional<TensorView> gate,
          Optional<TensorView> scale, double eps, double factor) {
   const DLDevice dev = x.device();
@@ -78,7 +80,20 @@ void run(Optional<TensorView> out, Optional<TensorView> stream, TensorView x, Op
     p.update = data<const T>(*update);
     p.stream = data<T>(*stream);
   }
-  if (out.has_value()) {
+  if (q_scale.has_value()) {  // the quantizing form: out as e4m3fn bytes, a float32 scale a row
+    TVM_FFI_ICHECK(out.has_value()) << "the quantizing form needs its out";
+    const TensorView& o = *out;
+    const TensorView& qs = *q_scale;
+    TVM_FFI_ICHECK(o.ndim() == 3 && o.IsContiguous() && o.dtype().code == kDLFloat8_e4m3fn && o.dtype().bits == 8 &&
+                   o.dtype().lanes == 1 && o.size(0) == batch && o.size(1) == tokens && o.size(2) == hidden &&
+                   qs.IsContiguous() && qs.dtype().code == kDLFloat && qs.dtype().bits == 32 &&
+                   qs.numel() == batch * tokens)
+        << "the quantizing form's out must be contiguous float8_e4m3fn of x's shape and q_scale a float32 a row";
+    check_device(o, dev);
+    check_device(qs, dev);
+    p.q = data<uint8_t>(o);
+    p.q_scale = data<float>(qs);
+  } else if (out.has_value()) {
     check_like(*out, x, dev);
     p.out = data<T>(*out);
   }
@@ -97,21 +112,27 @@ void run(Optional<TensorView> out, Optional<TensorView> stream, TensorView x, Op
   TVM_FFI_ICHECK(blocks < (int64_t{1} << 31)) << "too many rows for one launch";
   tvm::ffi::CUDADeviceGuard device_guard(dev.device_id);
   auto stream_ = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
-  sandwich_norm_kernel<T><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream_>>>(p);
+  if (q_scale.has_value()) {
+    sandwich_norm_kernel<T, true><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream_>>>(p);
+  } else {
+    sandwich_norm_kernel<T, false><<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream_>>>(p);
+  }
   const cudaError_t err = cudaGetLastError();
   TVM_FFI_ICHECK(err == cudaSuccess) << "sandwich_norm launch failed: " << cudaGetErrorString(err);
 }
 
-// Outputs first (out absent without a next norm, stream without an update), then x, the update,
-// the next norm's weight, the update's norm's weight, the gate, the scale, eps and the mean's factor.
-void sandwich_norm(Optional<TensorView> out, Optional<TensorView> stream, TensorView x,
-                   Optional<TensorView> update, Optional<TensorView> weight, Optional<TensorView> update_weight,
-                   Optional<TensorView> gate, Optional<TensorView> scale, double eps, double factor) {
+// Outputs first (out absent without a next norm, q_scale without the quantizing form, stream without
+// an update), then x, the update, the next norm's weight, the update's norm's weight, the gate, the
+// scale, eps and the mean's factor.
+void sandwich_norm(Optional<TensorView> out, Optional<TensorView> q_scale, Optional<TensorView> stream,
+                   TensorView x, Optional<TensorView> update, Optional<TensorView> weight,
+                   Optional<TensorView> update_weight, Optional<TensorView> gate, Optional<TensorView> scale,
+                   double eps, double factor) {
   const DLDataType dt = x.dtype();
   if (dt.code == kDLBfloat && dt.bits == 16) {
-    run<__nv_bfloat16>(out, stream, x, update, weight, update_weight, gate, scale, eps, factor);
+    run<__nv_bfloat16>(out, q_scale, stream, x, update, weight, update_weight, gate, scale, eps, factor);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
-    run<__half>(out, stream, x, update, weight, update_weight, gate, scale, eps, factor);
+    run<__half>(out, q_scale, stream, x, update, weight, update_weight, gate, scale, eps, factor);
   } else {
     TVM_FFI_THROW(TypeError) << "sandwich_norm supports bfloat16 and float16 only";
   }

@@ -9,7 +9,10 @@
 //   stream = T(RN(x_k + t_k)),  t_k = T(RN(gate_k * rms(u; g_u)_k)) (t_k = rms(u; g_u)_k without gate)
 //   out    = T(RN(rms(stream; g)_k * scale_k))          (rms(stream; g)_k without scale)
 // with either half optional: no update (the stream is x: a block's first norm), or no out (the
-// block's last update, which the next block's first norm reads).
+// block's last update, which the next block's first norm reads). The quantizing form (kQuant) writes,
+// in place of out, torchao's per-row float8 of it for the float8 Linears that read it
+// (float8_quant.cuh, docs/numerics.md 15): out's values stay in registers while the block reduces
+// their amax, then go out as e4m3fn bytes with the row's scale.
 //
 // aten's mean over the contiguous fp32 squares of a [rows, D] tensor with D a multiple of 128 in
 // (128, 4096) runs one warp a row (reduce_kernel, block (32, 16)): lane l reads float4 vectors at
@@ -29,6 +32,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "float8_quant.cuh"
 
 namespace flux2_fused {
 namespace sandwich_norm {
@@ -45,7 +49,9 @@ struct Params {
   const T* x;              // [rows, D] contiguous
   const T* update;         // [rows, D] contiguous, or null: no update
   T* stream;               // [rows, D]: x + gate * rms(update), written where update is given
-  T* out;                  // [rows, D]: rms(stream) (* scale), or null: no next norm
+  T* out;                  // [rows, D]: rms(stream) (* scale), or null: no next norm or (kQuant) q
+  uint8_t* q;              // the quantizing form's out: [rows, D] e4m3fn bytes
+  float* q_scale;          // ... and its scale a row, [rows]
   const T* weight;         // [D]: the next norm's weight (with out)
   const T* update_weight;  // [D]: the update's norm's weight (with update)
   const T* gate;           // [B or 1, D] rows, or null
@@ -122,7 +128,32 @@ __device__ __forceinline__ float normed(float v, float r, float g) {
   return Elem<T>::round(__fmul_rn(g, Elem<T>::round(__fmul_rn(v, r))));
 }
 
+// The quantizing form's epilogue: the row's out values (this lane's vectors) quantized as torchao
+// quantizes out per row, bytes at out's offsets.
 template <typename T>
+__device__ __forceinline__ void quantize_row(const Params<T>& p, const Quad<T> (&o)[kMaxOwned], int owned,
+                                             int64_t row, int64_t base) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  __trap();  // float8 GEMMs need sm_89: the guards never launch it on an older GPU
+#else
+  unsigned int m = 0;
+#pragma unroll
+  for (int k = 0; k < kMaxOwned; ++k) {
+    if (k < owned) m = max(m, float8_quant::packed_max<T, 2>(o[k]));
+  }
+  const float8_quant::Divisor d = float8_quant::row_divisor<T, kWarps>(m, p.q_scale + row);
+#pragma unroll
+  for (int k = 0; k < kMaxOwned; ++k) {
+    if (k < owned) {
+      unsigned int bytes[1];
+      float8_quant::quantize_packed<T, 2>(o[k], d, bytes);
+      __stcs(reinterpret_cast<unsigned int*>(p.q + base + 128 * k), bytes[0]);
+    }
+  }
+#endif
+}
+
+template <typename T, bool kQuant>
 __global__ void __launch_bounds__(kWarps * 32) sandwich_norm_kernel(const Params<T> p) {
   __shared__ float4 chain[32];
   __shared__ float result;
@@ -171,8 +202,9 @@ __global__ void __launch_bounds__(kWarps * 32) sandwich_norm_kernel(const Params
       if (k < owned) v[k] = load_quad(p.x + base + 128 * k);
     }
   }
-  if (p.out == nullptr) return;  // the whole block: no barrier follows
+  if (!kQuant && p.out == nullptr) return;  // the whole block: no barrier follows
   const float r = row_rsqrt<T>(v, owned, warp, lane, chain, &result, p.factor, p.eps);
+  Quad<T> outs[kQuant ? kMaxOwned : 1];  // the quantizing form's values, held for the row's amax
 #pragma unroll
   for (int k = 0; k < kMaxOwned; ++k) {
     if (k < owned) {
@@ -184,12 +216,13 @@ __global__ void __launch_bounds__(kWarps * 32) sandwich_norm_kernel(const Params
         o[i] = normed<T>(v[k].get(i), r, g.get(i));
         if (scale != nullptr) o[i] = __fmul_rn(o[i], sk.get(i));
       }
-      Quad<T> result_quad;
+      Quad<T>& result_quad = outs[kQuant ? k : 0];
       result_quad.p[0] = Elem<T>::pack(o[0], o[1]);
       result_quad.p[1] = Elem<T>::pack(o[2], o[3]);
-      store_quad(p.out + base + 128 * k, result_quad);
+      if constexpr (!kQuant) store_quad(p.out + base + 128 * k, result_quad);
     }
   }
+  if constexpr (kQuant) quantize_row<T>(p, outs, owned, row, base);
 }
 
 }  // namespace sandwich_norm

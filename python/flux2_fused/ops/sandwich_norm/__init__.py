@@ -8,6 +8,10 @@ next norm's output `rms(stream) * scale` (None without a weight), from one launc
 prove it exact, else from the eager chain of `reference`, bit for bit the same. `fused` is the same
 decision without the fallback; `sandwich_norm` is the validated op that raises for inputs the kernel
 cannot take. Under a torch.compile trace `apply` runs the eager chain.
+
+`quantized` is the site's quantizing form for torchao float8 Linears that read only the next norm's
+out (per row): the kernel writes torchao's float8 of out (its bytes and a scale a row) in place of
+out, which is never written; `quantized_reason` says why it declines.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import torch
 
 from ..verdicts import raise_for
 from . import guards, reference
-from .guards import SUPPORTED_DTYPES, decline_reason
-from .launch import KERNEL, launch
+from .guards import SUPPORTED_DTYPES, decline_reason, quantized_reason
+from .launch import KERNEL, launch, launch_quantized
 from .selfcheck import OP, Config, self_check
 
 Result = tuple[torch.Tensor | None, torch.Tensor]
@@ -62,6 +66,29 @@ def apply(
     return reference.sandwich(*args)
 
 
+def quantized(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor | None = None,
+    update: torch.Tensor | None = None,
+    update_weight: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q, q_scale, stream): the site's out as torchao's per-row float8 (e4m3fn bytes of out's shape,
+    a float32 scale a row [B, S, 1]) and its stream, from one launch; None where the form declines
+    (`quantized_reason`) or under a torch.compile trace (the caller then computes out, and the
+    Linears quantize it)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        if quantized_reason(x, weight, eps, scale, update, update_weight, gate) is not None:
+            return None
+    except Exception:  # a guard must never be the reason a generation fails
+        return None
+    return launch_quantized(x, weight, eps, scale, update, update_weight, gate)
+
+
 def sandwich_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -87,6 +114,8 @@ __all__ = [
     "decline_reason",
     "fused",
     "guards",
+    "quantized",
+    "quantized_reason",
     "reference",
     "sandwich_norm",
     "self_check",

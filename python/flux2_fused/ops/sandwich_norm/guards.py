@@ -126,3 +126,25 @@ def decline_reason(
     if reason is not None:
         return reason
     return runtime.runtime_reason(OP, x.device, Config(x.dtype, x.shape[-1]))
+
+
+def quantized_reason(
+    x: Any,
+    weight: Any,
+    eps: Any,
+    scale: Any = None,
+    update: Any = None,
+    update_weight: Any = None,
+    gate: Any = None,
+) -> Reason:
+    """Why the quantizing form (out as torchao's per-row float8) declines this call, or None when it
+    launches the kernel: what declines the plain kernel, a call without a next norm (no out to
+    quantize), then the form's own build and self-check (sm_89 and newer)."""
+    args = (x, weight, eps, scale, update, update_weight, gate)
+    reason = metadata_reason(*args) or tensor_reason(*args)
+    if reason is not None:
+        return reason
+    if weight is None:
+        return "the quantizing form needs a next norm"
+    config = Config(x.dtype, x.shape[-1], "row")
+    return OP.unbuilt(x.device, config) or runtime.runtime_reason(OP, x.device, config)

@@ -4,7 +4,8 @@ width and process.
 It feeds every variant Z-Image's blocks call (the first norm with and without a scale, the gated
 update with the next norm and a scale, the block's last update alone, the refiners' ungated ones),
 rows that break naive kernels (constant, zero, huge, tiny, NaN, +-Inf), gates and scales one a batch
-element and shared, and rows and weights of random bit patterns.
+element and shared, and rows and weights of random bit patterns; its quantizing form (out as
+torchao's per-row float8) has a verdict of its own over the cases with a next norm.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import runtime
 from ..bits import bits_equal, random_bits
 from ..runtime import FusedOp
 from . import reference
-from .launch import SPEC, launch
+from .launch import SPEC, launch, launch_quantized
 
 HIDDEN = 3840  # Z-Image's width: the verdict's default configuration
 
@@ -25,13 +27,16 @@ HIDDEN = 3840  # Z-Image's width: the verdict's default configuration
 @dataclass(frozen=True)
 class Config:
     """What one self-check verdict covers, with the device and the torch version: the rows' dtype and
-    width (aten's reduction of the variance depends on it)."""
+    width (aten's reduction of the variance depends on it), or (`quantized="row"`) its quantizing
+    form, out as torchao's per-row float8."""
 
     dtype: torch.dtype
     hidden: int = HIDDEN
+    quantized: str | None = None
 
     def __str__(self) -> str:
-        return f"D={self.hidden} {str(self.dtype).removeprefix('torch.')}"
+        kind = f" quantized per {self.quantized}" if self.quantized else ""
+        return f"D={self.hidden} {str(self.dtype).removeprefix('torch.')}{kind}"
 
 
 def _edge_rows(x: torch.Tensor, big: float, small: float) -> None:
@@ -79,6 +84,8 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
             noise_rows[1],
         ),
     }
+    if config.quantized:
+        return _check_quantized(device, cases, (batch, tokens, hidden, dtype))
     for name, (rows, w, s, u, uw, g) in cases.items():
         got = launch(rows, w, 1e-5, s, u, uw, g)
         expected = reference.sandwich(rows, w, 1e-5, s, u, uw, g)
@@ -88,9 +95,46 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     return True, f"{len(cases)} cases x [{batch}, {tokens}, {hidden}] {dtype}, edge rows + random bits"
 
 
+def _check_quantized(device: torch.device, cases: dict[str, tuple], shape: tuple) -> tuple[bool, str]:
+    """The quantizing form's verdict over the cases with a next norm: its bytes and scales against
+    torchao's quantization (`float8_quant.reference`, eager's kernels) of eager's out, and its stream
+    against eager's."""
+    from ..float8_quant import reference as float8_reference
+    from ..float8_quant.selfcheck import same
+
+    checked = 0
+    for name, (rows, w, s, u, uw, g) in cases.items():
+        if w is None:
+            continue
+        checked += 1
+        q, q_scale, stream = launch_quantized(rows, w, 1e-5, s, u, uw, g)
+        out, expected_stream = reference.sandwich(rows, w, 1e-5, s, u, uw, g)
+        if not (stream is expected_stream or bits_equal(stream, expected_stream)):
+            return False, f"{name}, quantized: the stream differs from eager"
+        if not same((q, q_scale), float8_reference.quantize(out, "row")):
+            return False, f"{name}: its quantization differs from torchao's of eager's out"
+    torch.cuda.synchronize(device)
+    batch, tokens, hidden, dtype = shape
+    return True, (
+        f"{checked} quantizing cases x [{batch}, {tokens}, {hidden}] {dtype}, edge rows + random bits, "
+        "against torchao's per-row float8"
+    )
+
+
+def unbuilt(device: torch.device, config: Config) -> str | None:
+    """The quantizing form is built for sm_89 and newer only (the GPUs with float8 GEMMs): why not
+    here, or None."""
+    if config.quantized and runtime.capability(device) < (8, 9):
+        return "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
+    return None
+
+
 OP = FusedOp(
     name="sandwich_norm",
     spec=SPEC,
     self_check=self_check,
-    verify_configs=tuple(Config(dtype) for dtype in (torch.bfloat16, torch.float16)),
+    verify_configs=tuple(
+        Config(dtype, quantized=kind) for kind in (None, "row") for dtype in (torch.bfloat16, torch.float16)
+    ),
+    unbuilt=unbuilt,
 )
