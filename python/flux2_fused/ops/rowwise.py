@@ -429,15 +429,9 @@ def fused_op(
     `flux2-fused verify` checks bf16 and fp16, plain and quantizing."""
     kinds = (None, *GRANULARITIES)
     configs = tuple(Config(dtype, kind) for kind in kinds for dtype in runtime.SUPPORTED_DTYPES)
-    return FusedOp(name=name, spec=spec, self_check=self_check, verify_configs=configs, unbuilt=unbuilt)
-
-
-def unbuilt(device: torch.device, config: Config) -> str | None:
-    """The quantizing kernels are built for sm_89 and newer only (the GPUs with float8 GEMMs; older
-    ones never quantize an activation to float8): why not here, or None."""
-    if config.quantized and runtime.capability(device) < (8, 9):
-        return "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
-    return None
+    return FusedOp(
+        name=name, spec=spec, self_check=self_check, verify_configs=configs, unbuilt=runtime.float8_unbuilt
+    )
 
 
 def define_operator(

@@ -18,6 +18,7 @@ import time
 import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -76,6 +77,16 @@ def module_sources(device: torch.device | str) -> dict[str, tuple[str | None, st
 
     arch = jit.device_arch(torch.device(device))
     return {op.name: jit.module_source(op.spec, arch) for op in OPS}
+
+
+def float8_unbuilt(device: torch.device, config: Any) -> str | None:
+    """Why a configuration's kernel is not built for `device`, for the ops whose configurations say
+    whether they are a quantizing form (`config.quantized`): those are built for sm_89 and newer
+    only (the GPUs with float8 GEMMs; older ones never quantize an activation to float8). None
+    where it is built."""
+    if config.quantized and capability(device) < (8, 9):
+        return "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
+    return None
 
 
 @dataclass(frozen=True)

@@ -177,14 +177,6 @@ def _check_quantized(
     )
 
 
-def unbuilt(device: torch.device, config: Config) -> str | None:
-    """The quantizing form is built for sm_89 and newer only (the GPUs with float8 GEMMs): why not
-    here, or None."""
-    if config.quantized and runtime.capability(device) < (8, 9):
-        return "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
-    return None
-
-
 # 3072: FLUX.1, FLUX.2 klein-4B and FLUX.3 (24 heads x 128); 4096: klein-9B; 6144: FLUX.2 dev.
 VERIFY_DIMS = (3072, 4096, 6144, 8192, 16384, 4100)  # 4100 % 512 == 4: a partial last pass of the row
 # The quantizing form's hidden sizes (FLUX.1's, FLUX.2's and FLUX.3's): one instantiation each.
@@ -197,5 +189,5 @@ OP = FusedOp(
         Config(dim, dtype) for dim in VERIFY_DIMS for dtype in (torch.bfloat16, torch.float16)
     )
     + tuple(Config(dim, dtype, "row") for dim in QUANTIZED_DIMS for dtype in (torch.bfloat16, torch.float16)),
-    unbuilt=unbuilt,
+    unbuilt=runtime.float8_unbuilt,
 )

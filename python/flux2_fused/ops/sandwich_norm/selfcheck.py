@@ -121,14 +121,6 @@ def _check_quantized(device: torch.device, cases: dict[str, tuple], shape: tuple
     )
 
 
-def unbuilt(device: torch.device, config: Config) -> str | None:
-    """The quantizing form is built for sm_89 and newer only (the GPUs with float8 GEMMs): why not
-    here, or None."""
-    if config.quantized and runtime.capability(device) < (8, 9):
-        return "the quantizing kernel needs sm_89 or newer (float8 GEMMs)"
-    return None
-
-
 OP = FusedOp(
     name="sandwich_norm",
     spec=SPEC,
@@ -136,5 +128,5 @@ OP = FusedOp(
     verify_configs=tuple(
         Config(dtype, quantized=kind) for kind in (None, "row") for dtype in (torch.bfloat16, torch.float16)
     ),
-    unbuilt=unbuilt,
+    unbuilt=runtime.float8_unbuilt,
 )
