@@ -831,6 +831,9 @@ def _site_with(change: str) -> tuple[list, gated_resnorm.Modulation, gated_resno
     return rows, scale, shift
 
 
+TWO_TERMS_PER_TOKEN = (
+    "the quantizing form takes a two-term update with modulation rows per token (FLUX.3's), not one"
+)
 # What each change to a FLUX.2 site makes the reason of a narrower form say: ComfyUI's modulation
 # rounding (`addcmul_reason`) and the quantizing form (`quantized_form_reason`).
 FORM_CASES = {
@@ -840,6 +843,13 @@ FORM_CASES = {
     ("addcmul", "per-segment"): "addcmul modulation takes one scale and shift for every row",
     ("quantized", "other width"): "the quantizing form takes D of 3072, 4096, 6144, got 2048",
     ("quantized", "wide"): "the quantizing form takes D of 3072, 4096, 6144, got 8192",
+    ("quantized", "per-token"): TWO_TERMS_PER_TOKEN,
+    ("quantized", "per-token gate"): TWO_TERMS_PER_TOKEN,
+    ("quantized", "per-segment"): TWO_TERMS_PER_TOKEN,
+    (
+        "quantized",
+        "update2",
+    ): "the quantizing form takes a two-term update with modulation rows per token only (FLUX.3's)",
 }
 
 
@@ -884,11 +894,16 @@ def _declined_by_the_device_alone(
     assert gated_resnorm.quantized(rows, scale, shift, 1e-6, write_residual=True) is None
 
 
-@pytest.mark.parametrize("change", ["per-token", "per-token gate", "update2", "per-segment"])
-def test_the_quantizing_form_takes_flux3s_sites_on_a_gpu_only(change: str) -> None:
-    """FLUX.3's sites (per-token modulation rows, the two-term update, a modulation a segment) are
-    the quantizing form's too: on the CPU only the device declines them."""
-    _declined_by_the_device_alone(*_site_with(change))
+def test_the_quantizing_form_takes_flux3s_mode_block_sites_on_a_gpu_only() -> None:
+    """FLUX.3's mode block sites (per-token modulation rows: the first block's input rows, then the
+    two-term update) are the quantizing form's too: on the CPU only the device declines them."""
+    rows, _, _ = _comfyui_rows()
+    shift, scale, gate = torch.randn(2, 5, 3 * 3072).chunk(3, dim=-1)
+    residual, update = rows[0].residual, rows[0].update
+    _declined_by_the_device_alone([gated_resnorm.Segment(residual)], scale, shift)
+    _declined_by_the_device_alone(
+        [gated_resnorm.Segment(residual, update, gate, update2=update)], scale, shift
+    )
 
 
 def test_the_quantizing_form_takes_flux3s_twin_norms_on_a_gpu_only() -> None:

@@ -627,7 +627,7 @@ def test_quantized_form_edge_values(dim, dtype, gen):
 
 def _flux3_cases(batch: int, tokens: int, dim: int, dtype: torch.dtype, gen: torch.Generator) -> dict:
     """FLUX.3's norm sites as (rows, scale, shift, write_residual): a mode block's norm of its input
-    rows and of a pending two-term update, a one-term update, and a joint block's twin norms of two
+    rows and of a pending two-term update, and a joint block's twin norms of two
     pending two-term updates (text rows, then `tokens` image rows) or of two materialized streams,
     each segment with its own per-token modulation (strided chunks of a [B, T, 3D] tensor, edge rows
     in it)."""
@@ -648,7 +648,7 @@ def _flux3_cases(batch: int, tokens: int, dim: int, dtype: torch.dtype, gen: tor
         return [text, image], (c_scale, scale), (c_shift, shift), terms > 0
 
     cases = {}
-    for name, terms in (("input rows", 0), ("one-term update", 1), ("two-term update", 2)):
+    for name, terms in (("input rows", 0), ("two-term update", 2)):
         rows, scale, shift = segment(tokens, terms)
         cases[name] = [rows], scale, shift, True
     cases["twin norms of pending updates"] = twin(2)
@@ -683,7 +683,8 @@ def test_quantized_form_takes_flux3s_per_token_sites(tokens, dim, batch, dtype, 
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs sm_89"
 )
 def test_quantized_form_self_check_and_declines(gen):
-    """Its own verdict per (D, dtype); other widths decline to the caller."""
+    """Its own verdict per (D, dtype); other widths and update forms no model has decline to the
+    caller."""
     from flux2_fused.ops import runtime
 
     for dim in (3072, 4096, 6144):
@@ -692,6 +693,9 @@ def test_quantized_form_self_check_and_declines(gen):
             assert passed, detail
             assert "per-token" in detail, detail
     residual = _rows(1, 9, 3072, torch.bfloat16, gen)
+    shift, scale, gate = _rows(1, 9, 3 * 3072, torch.bfloat16, gen).chunk(3, dim=-1)
+    one_term = [Segment(residual, _rows(1, 9, 3072, torch.bfloat16, gen), gate)]
+    assert op.quantized(one_term, scale, shift, 1e-6, write_residual=True) is None  # not a FLUX.3 site
     wide = _rows(1, 9, 8192, torch.bfloat16, gen)
     reason = op.quantized_reason([Segment(wide)], wide[:, :1], wide[:, :1])
     assert reason == "the quantizing form takes D of 3072, 4096, 6144, got 8192"

@@ -111,24 +111,21 @@ void launch_vecs(const Params<T>& p, int terms, bool row_mod, cudaStream_t strea
   }
 }
 
-// The quantizing form: diffusers' rounding, D = 512 kVecs (3072, 4096, 6144), any update form and
-// modulation rows; the Python guards decline everything else first.
-template <typename T, int kVecs, bool kRowMod>
-void launch_quantized_terms(const Params<T>& p, int terms, cudaStream_t stream) {
-  const unsigned grid = static_cast<unsigned>(p.rows);
-  if (terms == 0) {
-    gated_resnorm_kernel_quantized<T, kVecs, 0, kRowMod><<<grid, kThreads, 0, stream>>>(p);
-  } else if (terms == 1) {
-    gated_resnorm_kernel_quantized<T, kVecs, 1, kRowMod><<<grid, kThreads, 0, stream>>>(p);
-  } else {
-    gated_resnorm_kernel_quantized<T, kVecs, 2, kRowMod><<<grid, kThreads, 0, stream>>>(p);
-  }
-}
-
+// The quantizing form: diffusers' rounding, D = 512 kVecs (3072, 4096, 6144), and the update forms of
+// the sites that use it: one modulation row a batch with no update or one (FLUX.1's, FLUX.2's,
+// Qwen-Image's), per-token or per-segment rows with no update or a two-term one (FLUX.3's); the
+// Python guards decline everything else first.
 template <typename T, int kVecs>
 void launch_quantized_vecs(const Params<T>& p, int terms, bool row_mod, cudaStream_t stream) {
-  if (row_mod) return launch_quantized_terms<T, kVecs, true>(p, terms, stream);
-  return launch_quantized_terms<T, kVecs, false>(p, terms, stream);
+  const unsigned grid = static_cast<unsigned>(p.rows);
+  TVM_FFI_ICHECK(terms == 0 || terms == (row_mod ? 2 : 1))
+      << "the quantizing form takes one update with one modulation row a batch, or two with rows per token";
+  if (row_mod) {
+    if (terms == 0) return gated_resnorm_kernel_quantized<T, kVecs, 0, true><<<grid, kThreads, 0, stream>>>(p);
+    return gated_resnorm_kernel_quantized<T, kVecs, 2, true><<<grid, kThreads, 0, stream>>>(p);
+  }
+  if (terms == 0) return gated_resnorm_kernel_quantized<T, kVecs, 0, false><<<grid, kThreads, 0, stream>>>(p);
+  return gated_resnorm_kernel_quantized<T, kVecs, 1, false><<<grid, kThreads, 0, stream>>>(p);
 }
 
 template <typename T>

@@ -374,10 +374,9 @@ __global__ void __launch_bounds__(kThreads) gated_resnorm_kernel(const Params<T>
   gated_resnorm_row<T, kVecs, kTerms, kRowMod, kFull, kAddcmul, false>(p);
 }
 
-// The quantizing form, instantiated for D of 3072, 4096 or 6144 (kFull), diffusers' rounding, every
-// update form and both kinds of modulation rows: the FLUX.1/FLUX.2 sites (one row a batch) and
-// FLUX.3's (per token, two-term updates, the single block's twin segments) whose norm only float8
-// Linears read.
+// The quantizing form, instantiated for D of 3072, 4096 or 6144 (kFull) and diffusers' rounding, for
+// the sites whose norm only float8 Linears read: FLUX.1's and FLUX.2's (one modulation row a batch,
+// no update or one) and FLUX.3's (rows per token or per segment, no update or a two-term one).
 template <typename T, int kVecs, int kTerms, bool kRowMod>
 __global__ void __launch_bounds__(kThreads) gated_resnorm_kernel_quantized(const Params<T> p) {
   gated_resnorm_row<T, kVecs, kTerms, kRowMod, true, false, true>(p);

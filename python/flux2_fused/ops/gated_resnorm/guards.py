@@ -190,13 +190,23 @@ def addcmul_reason(rows: Sequence[Segment], scale: Modulation, shift: Modulation
 
 def quantized_form_reason(rows: Sequence[Segment], scale: Modulation, shift: Modulation) -> str | None:
     """What the quantizing form (out as torchao's per-row float8) does not cover in these rows, or
-    None: it is built for D of 3072, 4096 and 6144 (FLUX.1's, FLUX.2's and FLUX.3's widths), with
-    every update form and modulation the kernel takes (FLUX.3's per-token rows, two-term updates and
-    twin segments included)."""
+    None: it is built for D of 3072, 4096 and 6144 (FLUX.1's, FLUX.2's and FLUX.3's widths) and for
+    the update forms those sites have: one modulation row a batch with no update or one (FLUX.1,
+    FLUX.2), rows per token or per segment with no update or a two-term one (FLUX.3)."""
+    form = "the quantizing form"
     dim = rows[0].residual.shape[-1]
-    if dim in QUANTIZED_DIMS:
-        return None
-    return f"the quantizing form takes D of {', '.join(map(str, QUANTIZED_DIMS))}, got {dim}"
+    if dim not in QUANTIZED_DIMS:
+        return f"{form} takes D of {', '.join(map(str, QUANTIZED_DIMS))}, got {dim}"
+    gates = [segment.gate for segment in rows if segment.gate is not None]
+    per_token = type(scale) is tuple or any(
+        isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] != 1 for t in (scale, shift, *gates)
+    )
+    two_terms = any(segment.update2 is not None for segment in rows)
+    if rows[0].gated and per_token != two_terms:
+        if per_token:
+            return f"{form} takes a two-term update with modulation rows per token (FLUX.3's), not one"
+        return f"{form} takes a two-term update with modulation rows per token only (FLUX.3's)"
+    return None
 
 
 def quantized_runtime_reason(residual: torch.Tensor) -> Reason:
