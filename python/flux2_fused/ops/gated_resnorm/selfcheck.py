@@ -148,10 +148,10 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
 def _check_quantized(
     device: torch.device, cases: dict[str, tuple[list[Segment], Modulation, Modulation]], shape: tuple
 ) -> tuple[bool, str]:
-    """The quantizing form's verdict over the cases it takes (every case at its widths: one
-    modulation row a batch and per token, one- and two-term updates, twin segments): its bytes and
-    scales against torchao's quantization (`float8_quant.reference`, eager's kernels) of eager's
-    out, and its stream against eager's."""
+    """The quantizing form's verdict over the cases it takes (`quantized_form_reason`: one
+    modulation row a batch with no update or one, per-token or per-segment rows with no update or a
+    two-term one, twin segments): its bytes and scales against torchao's quantization
+    (`float8_quant.reference`, eager's kernels) of eager's out, and its stream against eager's."""
     from ..float8_quant import reference as float8_reference
     from ..float8_quant.selfcheck import same
     from .guards import quantized_form_reason  # the guards import this module's configurations
@@ -171,9 +171,9 @@ def _check_quantized(
     torch.cuda.synchronize(device)
     batch, tokens, dim, dtype = shape
     return True, (
-        f"{checked} quantizing cases x [{batch}, {tokens}, {dim}] {dtype} (per-batch, broadcast and "
-        "per-token modulation, two-term updates, two segments), random + edge rows + random bits, "
-        "against torchao's per-row float8"
+        f"{checked} quantizing cases x [{batch}, {tokens}, {dim}] {dtype} (per-batch and broadcast "
+        "modulation with one update, per-token with two, two segments), random + edge rows + random "
+        "bits, against torchao's per-row float8"
     )
 
 
