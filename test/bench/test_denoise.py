@@ -30,7 +30,10 @@ def test_the_bundle_without_a_toolkit_runs_the_fused_mode(monkeypatch: pytest.Mo
 
 
 def test_an_op_without_a_module_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    p = _plan(monkeypatch, {"swiglu", "gated_resnorm", "qk_norm_rope", "sandwich_norm", "float8_quant"})
+    p = _plan(
+        monkeypatch,
+        {"swiglu", "gated_resnorm", "qk_norm_rope", "sandwich_norm", "float8_quant", "uniform_rows"},
+    )
     assert p.fast_path_off is None
     assert [note for note in p.notes if "eager" in note] == [
         "gelu_tanh runs eager in the fused mode: no module for it here "

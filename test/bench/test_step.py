@@ -110,7 +110,7 @@ def test_kernel_class_sorts_real_kernel_names(name: str, expected: str) -> None:
 
 def test_every_fused_kernel_is_fused_in_both_benchmarks() -> None:
     """The step benchmark's classes and `flux2-fused bench`'s sites read one table of every op's kernel."""
-    assert len(FUSED_KERNELS) == 6
+    assert len(FUSED_KERNELS) == 7
     for kernel in FUSED_KERNELS:
         name = f"void flux2_fused::{kernel}<__nv_bfloat16>(...)"
         assert kernel_class(name, KERNEL_CLASSES) == "fused" and kernel_class(name, SITES) == "fused"

@@ -1,0 +1,18 @@
+"""What the uniform-rows check answers, in torch: whether any row of a [B, S, W] (or [S, W]) tensor
+differs from its batch's first row in any bit. The kernel's word is this predicate (1 differs, 0 all
+equal); comparing bit patterns, not values, makes -0.0 differ from +0.0 and a NaN equal only to the
+same NaN, which is what reading one row in place of another must respect."""
+
+from __future__ import annotations
+
+import torch
+
+# The integer dtype of each float's bits.
+BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def differs(x: torch.Tensor) -> torch.Tensor:
+    """One int32 word on x's device: 1 where a row of x differs from its batch's first, else 0."""
+    bits = x.view(BITS[x.dtype])
+    rows = bits if bits.dim() == 3 else bits.unsqueeze(0)
+    return (rows != rows[:, :1]).any().to(torch.int32).reshape(1)
