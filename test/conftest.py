@@ -2,6 +2,7 @@
 route a block took (the family's block code, or the host's own call); counting our kernels' launches
 and how many a call with every site fused makes."""
 
+import dataclasses
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -45,18 +46,44 @@ def count_block_code(monkeypatch: pytest.MonkeyPatch, name: str, family: ModuleT
     return calls
 
 
+def as_kernel_reads(rows: list, scale: Any, shift: Any, words: Any) -> tuple[list, Any, Any]:
+    """The segments and modulation as gated_resnorm's kernel reads them with these uniform_rows words
+    (`launch`'s (gate, scale and shift) of each segment): where a word is 0, each batch's first row
+    for every token (a [B, 1, D] view, which eager broadcasts alike). A proof that was wrong, or
+    reached a tensor it should not, then gives other bits than eager."""
+    if words is None:
+        return rows, scale, shift
+    gate0, mod0, gate1, mod1 = words
+
+    def first(t: Any, word: Any) -> Any:
+        proven = word is not None and int(word) == 0 and isinstance(t, torch.Tensor) and t.dim() == 3
+        return t[:, :1] if proven else t
+
+    rows = [
+        dataclasses.replace(segment, gate=first(segment.gate, word))
+        for segment, word in zip(rows, (gate0, gate1), strict=False)
+    ]
+    if type(scale) is tuple:
+        mods = (mod0, mod1)[: len(scale)]
+        scale = tuple(first(t, word) for t, word in zip(scale, mods, strict=True))
+        shift = tuple(first(t, word) for t, word in zip(shift, mods, strict=True))
+        return rows, scale, shift
+    return rows, first(scale, mod0), first(shift, mod0)
+
+
 @pytest.fixture
 def gated_resnorm_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The gated_resnorm guards accept and its 'kernel' is the reference over the same segments (the
-    kernel's contract), so the CPU runs the fused branches of the block code: pending updates
-    consumed by the next norm, twin norms of two pending streams. One entry (the launch's segments)
-    per launch."""
+    kernel's contract, modulation read as `as_kernel_reads` says), so the CPU runs the fused branches
+    of the block code: pending updates consumed by the next norm, twin norms of two pending streams.
+    One entry (the launch's segments) per launch."""
     from flux2_fused.ops import gated_resnorm
 
     launches: list[int] = []
 
-    def launch(rows, scale, shift, eps, *, write_residual, addcmul=False):
+    def launch(rows, scale, shift, eps, *, write_residual, addcmul=False, words=None):
         launches.append(len(rows))
+        rows, scale, shift = as_kernel_reads(rows, scale, shift, words)
         out, stream = gated_resnorm.reference.segments(rows, scale, shift, eps, addcmul=addcmul)
         return out, stream if write_residual else None
 
@@ -64,6 +91,28 @@ def gated_resnorm_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         monkeypatch.setattr(gated_resnorm.guards, name, lambda *args: True)
     monkeypatch.setattr(gated_resnorm, "launch", launch)
     return launches
+
+
+@pytest.fixture
+def uniform_rows_on_cpu(monkeypatch: pytest.MonkeyPatch, gated_resnorm_on_cpu: list[int]) -> list[int]:
+    """`uniform_rows.check` making its proofs on the CPU from the predicate (the kernel's contract),
+    with gated_resnorm's stand-in kernel (`gated_resnorm_on_cpu`); one entry a launch: how many of
+    its words said equal rows."""
+    from flux2_fused.ops import gated_resnorm, uniform_rows
+
+    proven: list[int] = []
+    launch = gated_resnorm.launch
+
+    def counted(*args: Any, words: Any = None, **kwargs: Any) -> Any:
+        proven.append(sum(1 for word in words or () if word is not None and int(word) == 0))
+        return launch(*args, words=words, **kwargs)
+
+    def check(x: torch.Tensor, *, enabled: bool = True) -> Any:
+        return uniform_rows.UniformRows(x, uniform_rows.reference.differs(x)) if enabled else None
+
+    monkeypatch.setattr(uniform_rows, "check", check)
+    monkeypatch.setattr(gated_resnorm, "launch", counted)
+    return proven
 
 
 @pytest.fixture

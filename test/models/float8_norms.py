@@ -1,6 +1,7 @@
 """Shared by the families' float8 norm tests: a model's block Linears made torchao float8, and the
 norms' quantizing forms (`gated_resnorm.quantized`, `sandwich_norm.quantized`) stood in for on the
-CPU by torchao's per-row quantization of eager's out, which the GPU tests prove the kernels write."""
+CPU by torchao's per-row quantization of eager's out (modulation read as the kernel reads it with
+the launch's uniform_rows words), which the GPU tests prove the kernels write."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from flux2_fused.ops import float8_quant, gated_resnorm, sandwich_norm
 
+from ..conftest import as_kernel_reads
 from ..test_float8_linear import to_float8
 
 
@@ -33,9 +35,10 @@ def quantizing_norms(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(gated_resnorm.guards, "defer", lambda *args: True)
     monkeypatch.setattr(gated_resnorm.guards, "defer2", lambda *args: True)
 
-    def quantized(rows, scale, shift, eps, *, write_residual) -> tuple[Any, ...]:
+    def quantized(rows, scale, shift, eps, *, write_residual, mod_rows=None) -> tuple[Any, ...]:
         calls.append(len(rows))
-        out, stream = gated_resnorm.reference.segments(rows, scale, shift, eps)
+        words = gated_resnorm._words(rows, scale, shift, mod_rows)
+        out, stream = gated_resnorm.reference.segments(*as_kernel_reads(rows, scale, shift, words), eps)
         return (*float8_quant.reference.quantize(out, "row"), stream if write_residual else None)
 
     def sandwich(*args: Any, **kwargs: Any) -> tuple[Any, ...]:

@@ -33,8 +33,9 @@ def make_inputs(config: Flux2Config, batch: int, img_tokens: int, txt_tokens: in
 _modnorm = gated_resnorm.modnorm_reference  # the unpatched eager norm, for the fake kernel
 
 
-def fake_launch(segments, scale, shift, eps, *, write_residual, addcmul=False):
-    """The kernel's contract, computed eagerly: rows of each segment, gated, concatenated, normed."""
+def fake_launch(segments, scale, shift, eps, *, write_residual, addcmul=False, words=None):
+    """The kernel's contract, computed eagerly: rows of each segment, gated, concatenated, normed
+    (FLUX.2's rows: one modulation row a batch, so no uniform_rows words to honour)."""
     parts = [s.residual if s.update is None else s.residual + s.gate * s.update for s in segments]
     residual = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
     return _modnorm(residual, scale, shift, eps, addcmul), residual if write_residual else None

@@ -547,11 +547,12 @@ def test_flux2_layouts_still_take_the_flux2_kernels(gen):
             torch.cuda.synchronize()
         return [e.name for e in prof.events() if "gated_resnorm_kernel" in e.name]
 
+    # <T, kVecs = 12, kTerms = 1, kRowMod, kFull = true, kAddcmul = false>
     names = kernels(lambda: gated_resnorm(residual, update, gate, scale, shift))
-    assert len(names) == 1 and ", false, true>" in names[0], names  # <T, 12, 1, kRowMod=false, kFull>
+    assert len(names) == 1 and "12, 1, false, true, false>" in names[0], names
     per_token_gate = _rows(2, 512, dim, dtype, gen)
     names = kernels(lambda: gated_resnorm(residual, update, per_token_gate, scale, shift))
-    assert len(names) == 1 and ", true, true>" in names[0], names
+    assert len(names) == 1 and "12, 1, true, true, false>" in names[0], names
 
 
 # The quantizing form: out as torchao's per-row float8, for FLUX.1's, FLUX.2's and FLUX.3's sites.
@@ -713,7 +714,24 @@ def test_the_entry_refuses_outputs_it_would_write_out_of_place() -> None:
     dim = 3072
     residual, update = (torch.randn(1, 8, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     shift, scale, gate = torch.randn(1, 1, 3 * dim, device="cuda", dtype=torch.bfloat16).chunk(3, dim=-1)
-    tail = (scale, shift, None, None, residual, update, None, gate, None, None, None, None, 1e-6, False)
+    words = (None, None, None, None)
+    tail = (
+        scale,
+        shift,
+        None,
+        None,
+        residual,
+        update,
+        None,
+        gate,
+        None,
+        None,
+        None,
+        None,
+        1e-6,
+        False,
+        *words,
+    )
     good = torch.empty_like(residual)
     strided = torch.empty(1, 8, 2 * dim, device="cuda", dtype=torch.bfloat16)[..., :dim]
     cases = [
@@ -734,3 +752,50 @@ def test_the_entry_refuses_outputs_it_would_write_out_of_place() -> None:
             module.gated_resnorm(*outputs, *tail)
     module.gated_resnorm(good, None, torch.empty_like(residual), *tail)  # the same call, well formed
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("tokens", [7, 512, 4096])
+def test_proven_rows_read_one_row_a_batch(tokens, batch, dtype, gen):
+    """FLUX.3's sites with uniform_rows' proofs (its modulation made as the model makes it: one row a
+    batch in every token's row): eager's bits, plain and quantizing. Where the word is 0 the kernel
+    reads each batch's first row for every token: a word of 0 given for rows that differ shows it
+    (the output is then eager's on the first rows)."""
+    from flux2_fused.ops import uniform_rows
+
+    dim = 3072
+
+    def modulation(rows: int) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        mod = _rows(batch, 1, 3 * dim, dtype, gen).expand(batch, rows, 3 * dim).contiguous()
+        return mod, mod.chunk(3, dim=-1)
+
+    mod, (shift, scale, gate) = modulation(tokens)
+    c_mod, (c_shift, c_scale, c_gate) = modulation(77)
+    proof, c_proof = uniform_rows.check(mod), uniform_rows.check(c_mod)
+    assert proof is not None and c_proof is not None and proof.differs.tolist() == [0]
+    x, u, v = (_rows(batch, tokens, dim, dtype, gen) for _ in range(3))
+    c, cu, cv = (_rows(batch, 77, dim, dtype, gen) for _ in range(3))
+    pending = Segment(x, u, gate, "kernel", update2=v, gate_rows=proof)
+    twin = [Segment(c, cu, c_gate, "kernel", update2=cv, gate_rows=c_proof), pending]
+    sites = {
+        "mode block": ([pending], scale, shift, proof),
+        "input rows": ([Segment(x)], scale, shift, proof),
+        "twin norms": (twin, (c_scale, scale), (c_shift, shift), (c_proof, proof)),
+    }
+    for name, (rows, sc, sh, mod_rows) in sites.items():
+        ref_out, ref_stream = op.reference.segments(rows, sc, sh, 1e-6)
+        out, stream = op.fused(rows, sc, sh, 1e-6, write_residual=True, mod_rows=mod_rows)
+        assert bits_equal(out, ref_out) and bits_equal(stream, ref_stream), name
+        if torch.cuda.get_device_capability() >= (8, 9):
+            q = op.quantized(rows, sc, sh, 1e-6, write_residual=True, mod_rows=mod_rows)
+            assert q is not None and _same_float8(q[:2], _float8_of(ref_out)), name
+    # A word of 0 for rows that differ: the kernel reads the first row of each batch.
+    per_token = _rows(batch, tokens, 3 * dim, dtype, gen)
+    p_shift, p_scale, p_gate = per_token.chunk(3, dim=-1)
+    lie = torch.zeros(1, dtype=torch.int32, device="cuda")
+    rows = [Segment(x, u, p_gate, update2=v)]
+    out, stream = launch(rows, p_scale, p_shift, 1e-6, write_residual=True, words=(lie, lie, None, None))
+    firsts = [Segment(x, u, p_gate[:, :1], update2=v)], p_scale[:, :1], p_shift[:, :1]
+    ref_out, ref_stream = op.reference.segments(*firsts, 1e-6)
+    assert bits_equal(out, ref_out) and bits_equal(stream, ref_stream)

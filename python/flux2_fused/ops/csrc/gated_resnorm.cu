@@ -64,6 +64,15 @@ Segment<T> make_segment(const TensorView& r, const Optional<TensorView>& u, cons
   return s;
 }
 
+// A uniform_rows word (one int32 on the launch's device) as the kernel reads it, or nullptr.
+inline const int* word_of(const Optional<TensorView>& w, DLDevice dev) {
+  if (!w.has_value()) return nullptr;
+  const TensorView t = *w;
+  TVM_FFI_ICHECK(t.numel() == 1 && t.dtype().code == kDLInt && t.dtype().bits == 32) << "a word is one int32";
+  check_device(t, dev);
+  return data<const int>(t);
+}
+
 template <typename T, int kVecs, int kTerms, bool kRowMod, bool kAddcmul = false>
 void launch_kernel(const Params<T>& p, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>(p.rows);
@@ -157,13 +166,16 @@ void launch(const Params<T>& p, int terms, bool row_mod, cudaStream_t stream) {
 // The launch's arguments: the outputs, then the modulation (scale and shift of the first segment, or
 // of every row; scale1 and shift1 the second segment's own, None where it shares the first's), then
 // each segment's residual, update, update2 and gate (None where absent), then eps and whether the
-// modulation is aten's addcmul (ComfyUI's) rather than diffusers' two roundings.
+// modulation is aten's addcmul (ComfyUI's) rather than diffusers' two roundings, then each segment's
+// uniform_rows words for its gate and for its scale and shift (None where its rows are not proven;
+// the second segment's scale word None where it shares the first's scale).
 template <typename T>
 void run(TensorView out, Optional<TensorView> q_scale, Optional<TensorView> residual_out, TensorView scale,
          TensorView shift,
          Optional<TensorView> scale1, Optional<TensorView> shift1, TensorView r0, Optional<TensorView> u0,
          Optional<TensorView> v0, Optional<TensorView> g0, Optional<TensorView> r1, Optional<TensorView> u1,
-         Optional<TensorView> v1, Optional<TensorView> g1, double eps, bool addcmul) {
+         Optional<TensorView> v1, Optional<TensorView> g1, double eps, bool addcmul, Optional<TensorView> gw0,
+         Optional<TensorView> mw0, Optional<TensorView> gw1, Optional<TensorView> mw1) {
   const int terms = u0.has_value() ? (v0.has_value() ? 2 : 1) : 0;
   TVM_FFI_ICHECK(out.ndim() == 2 || out.ndim() == 3) << "out must be [B, T, D] or [T, D]";
   const int64_t dim = out.size(-1);
@@ -184,11 +196,17 @@ void run(TensorView out, Optional<TensorView> q_scale, Optional<TensorView> resi
   const int64_t split = r1.has_value() ? r0.size(-2) : tokens;
 
   Params<T> p{};
+  const DLDevice dev = out.device();
   p.seg[0] = make_segment<T>(r0, u0, v0, g0, batch, split, dim, terms);
+  p.seg[0].gate_differs = word_of(gw0, dev);
+  p.seg[0].mod_differs = word_of(mw0, dev);
   if (r1.has_value()) {
     p.seg[1] = make_segment<T>(*r1, u1, v1, g1, batch, tokens - split, dim, terms);
+    p.seg[1].gate_differs = word_of(gw1, dev);
+    p.seg[1].mod_differs = scale1.has_value() ? word_of(mw1, dev) : p.seg[0].mod_differs;
   } else {
-    TVM_FFI_ICHECK(!u1.has_value() && !v1.has_value() && !g1.has_value()) << "no second segment's residual";
+    TVM_FFI_ICHECK(!u1.has_value() && !v1.has_value() && !g1.has_value() && !gw1.has_value() && !mw1.has_value())
+        << "no second segment's residual";
     p.seg[1] = p.seg[0];
   }
   if (scale1.has_value()) {  // per-segment modulation: each indexed by its segment's tokens
@@ -236,7 +254,6 @@ void run(TensorView out, Optional<TensorView> q_scale, Optional<TensorView> resi
   if (p.rows == 0) return;
   TVM_FFI_ICHECK(p.rows < (int64_t{1} << 31)) << "too many rows for one launch";
   // Launch on the tensors' device, whichever device is current, on that device's current stream.
-  const DLDevice dev = out.device();
   for (const Optional<TensorView>& t : {Optional<TensorView>(scale), Optional<TensorView>(shift), scale1, shift1,
                                           Optional<TensorView>(r0), residual_out, q_scale, u0, v0, g0, r1, u1, v1,
                                           g1}) {
@@ -259,14 +276,15 @@ void gated_resnorm(TensorView out, Optional<TensorView> q_scale, Optional<Tensor
                    TensorView shift, Optional<TensorView> scale1, Optional<TensorView> shift1, TensorView r0,
                    Optional<TensorView> u0, Optional<TensorView> v0, Optional<TensorView> g0,
                    Optional<TensorView> r1, Optional<TensorView> u1, Optional<TensorView> v1,
-                   Optional<TensorView> g1, double eps, bool addcmul) {
+                   Optional<TensorView> g1, double eps, bool addcmul, Optional<TensorView> gw0,
+                   Optional<TensorView> mw0, Optional<TensorView> gw1, Optional<TensorView> mw1) {
   const DLDataType dt = r0.dtype();  // out's, or (the quantizing form) the value's out quantizes
   if (dt.code == kDLBfloat && dt.bits == 16) {
     run<__nv_bfloat16>(out, q_scale, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1,
-                       eps, addcmul);
+                       eps, addcmul, gw0, mw0, gw1, mw1);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
     run<__half>(out, q_scale, residual_out, scale, shift, scale1, shift1, r0, u0, v0, g0, r1, u1, v1, g1, eps,
-                addcmul);
+                addcmul, gw0, mw0, gw1, mw1);
   } else {
     TVM_FFI_THROW(TypeError) << "gated_resnorm supports bfloat16 and float16 only";
   }

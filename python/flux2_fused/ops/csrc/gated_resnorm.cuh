@@ -22,8 +22,10 @@
 // per-row float8 of it (float8_quant.cuh): the modulated row stays in registers while the block
 // reduces its amax, then goes out as e4m3fn bytes with the row's scale (docs/numerics.md, 15). Modulation rows (gate, scale, shift) are either one row a batch or
 // one for all, broadcast over tokens (FLUX.1/FLUX.2: L2-resident, read through the read-only cache),
-// or one row per token (FLUX.3: read once, streamed like the residual). Which row a token reads is
-// only an address: the arithmetic of a row never depends on where its modulation came from.
+// or one row per token (FLUX.3: read once, streamed like the residual). Per-token rows may come with
+// a word from uniform_rows.cuh that is 0 where every row of each batch equals the batch's first: the
+// kernel then reads that first row for every token, from cache. Which row a token reads is only an
+// address: the arithmetic of a row never depends on where its modulation came from.
 #pragma once
 
 #include "common.cuh"
@@ -68,15 +70,13 @@ __device__ __forceinline__ Packed4<T> load_cached(const uint2* base, int j) {
   return *reinterpret_cast<const Packed4<T>*>(&raw);
 }
 
-// A modulation row: one shared by every row of a batch (broadcast over tokens) stays cached; where
-// rows differ (kRowMod: per token, read by a single block once) it is streamed like the residual.
+// A modulation row: one shared by every row of a batch (broadcast over tokens, or per-token rows
+// proven equal: `shared`) stays cached; where rows differ (kRowMod: per token, read by a single block
+// once) it is streamed like the residual.
 template <typename T, bool kRowMod>
-__device__ __forceinline__ Packed4<T> load_modulation(const uint2* base, int j) {
-  if constexpr (kRowMod) {
-    return load_stream<T>(base, j);
-  } else {
-    return load_cached<T>(base, j);
-  }
+__device__ __forceinline__ Packed4<T> load_modulation(const uint2* base, int j, bool shared) {
+  if (kRowMod && !shared) return load_stream<T>(base, j);
+  return load_cached<T>(base, j);
 }
 
 template <typename T>
@@ -159,6 +159,10 @@ struct Segment {
   Rows<T> gate;      // modulation rows: one a batch or one for all, one a token or one for all tokens
   Rows<T> scale;
   Rows<T> shift;
+  // Per-token rows' uniform_rows words (gate's; scale's and shift's), or nullptr: 0 where every row
+  // of each batch is the batch's first (read with kRowMod only).
+  const int* gate_differs;
+  const int* mod_differs;
 };
 
 template <typename T>
@@ -192,15 +196,22 @@ struct RowRef {
   __device__ __forceinline__ const T* stream(const Rows<T>& rows) const { return rows.at(batch, seg_tok); }
   // kRowMod: modulation rows differ within a batch (per token, or per segment; the host sets it);
   // otherwise every row_stride is 0 and the address is computed exactly as for FLUX.2's rows.
+  // `shared`: per-token rows proven equal to the batch's first (`shares`), which is read instead.
   template <bool kRowMod>
-  __device__ __forceinline__ const T* modulation(const Rows<T>& rows) const {
+  __device__ __forceinline__ const T* modulation(const Rows<T>& rows, bool shared) const {
     if constexpr (kRowMod) {
-      return rows.at(batch, seg_tok);
+      return shared ? rows.at(batch) : rows.at(batch, seg_tok);
     } else {
       return rows.at(batch);
     }
   }
 };
+
+// Whether per-token rows with this uniform_rows word are all their batch's first row (its word is 0).
+template <bool kRowMod>
+__device__ __forceinline__ bool shares(const int* differs) {
+  return kRowMod && differs != nullptr && __ldg(differs) == 0;
+}
 
 // The quantizing form's output: the row's amax (a max of T magnitude bits, NaN above everything, as
 // float8_quant's), its scale (`row_divisor`: one barrier), and its values as e4m3fn bytes, four a
@@ -235,18 +246,18 @@ __device__ __forceinline__ void quantize(const Params<T>& p, const Packed4<T> (&
 // out would hold it) are quantized (`quantize`, above) instead of stored.
 template <typename T, int kVecs, bool kRowMod, bool kAddcmul, bool kQuant>
 __device__ __forceinline__ void modulate(const Params<T>& p, const RowRef<T>& ref, const Packed4<T> (&y)[kVecs],
-                                         int owned, float mean, float rstd, int64_t row) {
+                                         int owned, float mean, float rstd, int64_t row, bool shared) {
   using V = Elem<T>;
   const Segment<T>& mod = kRowMod ? *ref.seg : p.seg[0];
-  const uint2* scale = thread_base(ref.template modulation<kRowMod>(mod.scale));
-  const uint2* shift = thread_base(ref.template modulation<kRowMod>(mod.shift));
+  const uint2* scale = thread_base(ref.template modulation<kRowMod>(mod.scale, shared));
+  const uint2* shift = thread_base(ref.template modulation<kRowMod>(mod.shift, shared));
   uint2* out = kQuant ? nullptr : const_cast<uint2*>(thread_base(p.out + row * p.dim));
   Packed4<T> o[kQuant ? kVecs : 1];
 #pragma unroll
   for (int j = 0; j < kVecs; ++j) {
     if (j < owned) {
-      const Packed4<T> sc = load_modulation<T, kRowMod>(scale, j);
-      const Packed4<T> sh = load_modulation<T, kRowMod>(shift, j);
+      const Packed4<T> sc = load_modulation<T, kRowMod>(scale, j, shared);
+      const Packed4<T> sh = load_modulation<T, kRowMod>(shift, j, shared);
       Packed4<T>& oj = o[kQuant ? j : 0];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -276,7 +287,7 @@ __device__ __forceinline__ void modulate(const Params<T>& p, const RowRef<T>& re
 // kTerms: 0 for y = residual (the plain modulated LayerNorm), 1 for y = residual + gate * update, 2
 // for y = residual + gate * (update + update2) (FLUX.3's blocks), each op rounded to T as eager does.
 // kRowMod: modulation rows differ within a batch: per token, or per segment (streamed loads, an
-// address from the row's segment and token).
+// address from the row's segment and token), unless a uniform_rows word proves a segment's rows equal.
 // kVecs: the most 4-element vectors one thread owns, ceil(D / 512) rounded up to an instantiated size.
 // kFull: D == 512 kVecs, so every thread owns exactly kVecs vectors; the compiler then drops every
 // bounds predicate and folds the Welford counts to constants.
@@ -296,6 +307,9 @@ __device__ __forceinline__ void gated_resnorm_row(const Params<T>& p) {
   // This thread owns vectors tid + 128 j for j < owned (aten's per-thread order and tail counts).
   const int owned = kFull ? kVecs : (p.dim / 4 - tid + kThreads - 1) / kThreads;
   const RowRef<T> ref(p, row);
+  // The words are read first, so that their wait overlaps the streams' loads.
+  const bool gate_shared = kTerms > 0 && shares<kRowMod>(ref.seg->gate_differs);
+  const bool mod_shared = shares<kRowMod>((kRowMod ? *ref.seg : p.seg[0]).mod_differs);
 
   // 1. y = T(residual + T(gate * update)), or with two updates
   //    y = T(residual + T(gate * T(update + update2))), or y = residual; write residual_out.
@@ -304,7 +318,7 @@ __device__ __forceinline__ void gated_resnorm_row(const Params<T>& p) {
   if constexpr (kTerms > 0) {
     const uint2* update = thread_base(ref.stream(ref.seg->update));
     const uint2* update2 = kTerms == 2 ? thread_base(ref.stream(ref.seg->update2)) : nullptr;
-    const uint2* gate = thread_base(ref.template modulation<kRowMod>(ref.seg->gate));
+    const uint2* gate = thread_base(ref.template modulation<kRowMod>(ref.seg->gate, gate_shared));
     Packed4<T> r[kVecs], u[kVecs], u2[kTerms == 2 ? kVecs : 1], g[kVecs];
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
@@ -312,13 +326,13 @@ __device__ __forceinline__ void gated_resnorm_row(const Params<T>& p) {
         r[j] = load_stream<T>(residual, j);
         u[j] = load_stream<T>(update, j);
         if constexpr (kTerms == 2) u2[j] = load_stream<T>(update2, j);
-        if constexpr (kGateUpfront) g[j] = load_modulation<T, kRowMod>(gate, j);
+        if constexpr (kGateUpfront) g[j] = load_modulation<T, kRowMod>(gate, j, gate_shared);
       }
     }
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       if (j < owned) {
-        const Packed4<T> gj = kGateUpfront ? g[j] : load_modulation<T, kRowMod>(gate, j);
+        const Packed4<T> gj = kGateUpfront ? g[j] : load_modulation<T, kRowMod>(gate, j, gate_shared);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           // update + update2 (eager's `attn_output + ff_output`) rounds to T before the gate reads it.
@@ -366,7 +380,7 @@ __device__ __forceinline__ void gated_resnorm_row(const Params<T>& p) {
 
   // 4. n = T(rstd * (y - mean)); out = T(T(n * T(scale + 1)) + shift), or with kAddcmul
   //    out = T(shift + n * T(scale + 1)); kQuant: out quantized.
-  modulate<T, kVecs, kRowMod, kAddcmul, kQuant>(p, ref, y, owned, mean, rstd, row);
+  modulate<T, kVecs, kRowMod, kAddcmul, kQuant>(p, ref, y, owned, mean, rstd, row, mod_shared);
 }
 
 template <typename T, int kVecs, int kTerms, bool kRowMod, bool kFull, bool kAddcmul>

@@ -16,6 +16,12 @@ Modulation rows (gate, scale, shift) are one row for all tokens (FLUX.1/FLUX.2: 
 site over two segments takes one scale and shift for all its rows, or (FLUX.3's single block) a
 tuple with one per segment: each segment is then normalized and modulated with its own rows.
 
+FLUX.3's per-token rows are each batch's first row in every run measured (a Linear of a time
+embedding expanded over the tokens), which `uniform_rows` proves on the GPU: with such a proof
+(`mod_rows` for scale and shift, a segment's `gate_rows` for its gate) the kernel reads each
+batch's first row for every token where the proof's word says the rows are equal, the same bytes
+from cache in place of three streamed rows a token.
+
 `quantized` is the site's quantizing form for a torchao float8 Linear that reads only the norm's out
 (per row): the kernel writes torchao's float8 of out (its bytes and a scale a row) in place of out,
 which is never written; `quantized_reason` says why it declines.
@@ -32,6 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..uniform_rows import UniformRows
 from . import guards, reference
 from .guards import (
     ADDCMUL_MAX_DIM,
@@ -44,8 +51,8 @@ from .guards import (
     quantized_form_reason,
     quantized_runtime_reason,
 )
-from .launch import KERNEL, launch, launch_quantized
-from .reference import Segment
+from .launch import KERNEL, NO_WORDS, Words, launch, launch_quantized
+from .reference import ModulationRows, Segment
 from .selfcheck import OP, Config, self_check
 
 Result = tuple[torch.Tensor, torch.Tensor | None]
@@ -95,6 +102,29 @@ def _rows_reason(
     return None
 
 
+def _word(proof: UniformRows | None, *views: torch.Tensor | None) -> torch.Tensor | None:
+    """The proof's word for these views, None without a proof or where it does not cover them."""
+    if proof is None or any(view is None for view in views):
+        return None
+    return proof.word(*views)
+
+
+def _words(rows: Sequence[Segment], scale: Modulation, shift: Modulation, mod_rows: ModulationRows) -> Words:
+    """The launch's uniform_rows words (`launch`'s `words`): each segment's gate's from its own
+    proof, scale's and shift's from `mod_rows` (one proof for every row, or one a segment, as the
+    modulation is given), each None where no proof covers the tensors."""
+    first, second = rows[0], (rows[1] if len(rows) == 2 else None)
+    if mod_rows is None and first.gate_rows is None and (second is None or second.gate_rows is None):
+        return NO_WORDS  # every site but FLUX.3's
+    gate0 = _word(first.gate_rows, first.gate)
+    gate1 = None if second is None else _word(second.gate_rows, second.gate)
+    if type(scale) is not tuple:  # one scale and shift: the second segment shares the first's word
+        return gate0, _word(mod_rows if type(mod_rows) is not tuple else None, scale, shift), gate1, None
+    proofs = mod_rows if type(mod_rows) is tuple and len(mod_rows) == len(scale) else (None,) * len(scale)
+    mods = [_word(proof, sc, sh) for proof, sc, sh in zip(proofs, scale, shift, strict=True)]
+    return gate0, mods[0], gate1, mods[1] if len(mods) == 2 else None
+
+
 def _segment_reason(segment: Segment, scale: torch.Tensor, shift: torch.Tensor) -> str | None:
     if segment.update2 is not None:
         return gated_resnorm_decline_reason(
@@ -142,20 +172,22 @@ def defer(
     gate: torch.Tensor,
     *,
     update2: torch.Tensor | None = None,
+    gate_rows: UniformRows | None = None,
     enabled: bool = True,
 ) -> Segment | torch.Tensor:
     """`residual + gate * update` (with update2: `residual + gate * (update + update2)`, each op
     rounded as eager rounds it), left pending for the next `apply` where that can consume it: a
-    `Segment` carrying the verdict (under a torch.compile trace, or where the guard accepts), else
-    the eager sum. `enabled=False` (a model's switch) always computes the sum."""
+    `Segment` carrying the verdict (under a torch.compile trace, or where the guard accepts) and
+    the gate's proof `gate_rows`, else the eager sum. `enabled=False` (a model's switch) always
+    computes the sum."""
     if enabled and torch.compiler.is_compiling():
         return Segment(residual, update, gate, "traced", update2=update2)
     if update2 is None:
         if enabled and guards.defer(residual, update, gate):
-            return Segment(residual, update, gate, "kernel")
+            return Segment(residual, update, gate, "kernel", gate_rows=gate_rows)
         return Segment(residual, update, gate).materialize()
     if enabled and guards.defer2(residual, update, update2, gate):
-        return Segment(residual, update, gate, "kernel", update2=update2)
+        return Segment(residual, update, gate, "kernel", update2=update2, gate_rows=gate_rows)
     return Segment(residual, update, gate, update2=update2).materialize()
 
 
@@ -188,12 +220,14 @@ def fused(
     *,
     write_residual: bool,
     addcmul: bool = False,
+    mod_rows: ModulationRows = None,
 ) -> Result | None:
     """(out, stream) from one kernel launch, or None where the guards decline.
 
     rows: one segment, or two whose rows are concatenated along tokens. scale and shift: one tensor
-    for every row, or a tuple with one per segment. stream is the site's rows as one tensor when
-    write_residual (a single plain segment: its residual itself), else None.
+    for every row, or a tuple with one per segment; mod_rows their proofs of equal rows, in the same
+    form (or None). stream is the site's rows as one tensor when write_residual (a single plain
+    segment: its residual itself), else None.
     """
     try:
         if _rows_reason(rows, scale, shift, write_residual) is not None:
@@ -204,10 +238,11 @@ def fused(
         return None
     if not _all_accepted(rows, scale, shift):
         return None
+    words = _words(rows, scale, shift, mod_rows)
     if rows[0].update is None:
-        out = launch(rows, scale, shift, eps, write_residual=False, addcmul=addcmul)[0]
+        out = launch(rows, scale, shift, eps, write_residual=False, addcmul=addcmul, words=words)[0]
         return out, rows[0].residual if write_residual else None
-    return launch(rows, scale, shift, eps, write_residual=write_residual, addcmul=addcmul)
+    return launch(rows, scale, shift, eps, write_residual=write_residual, addcmul=addcmul, words=words)
 
 
 def apply(
@@ -219,6 +254,7 @@ def apply(
     write_residual: bool,
     enabled: bool = True,
     addcmul: bool = False,
+    mod_rows: ModulationRows = None,
 ) -> Result:
     """(out, stream): the site's one decision. Under a torch.compile trace the `library` operators;
     else `fused` where it accepts, else the eager chain (`reference.segments`), bit for bit the same.
@@ -226,11 +262,15 @@ def apply(
     block: each segment normalized and modulated with its own rows, the outputs concatenated).
     stream is None where the kernel was told not to write it. `enabled=False` (a model's switch)
     always runs the eager chain. `addcmul=True` is ComfyUI's modulation, `addcmul(shift, norm,
-    1 + scale)` with one rounding, where diffusers rounds the product and the sum apart."""
+    1 + scale)` with one rounding, where diffusers rounds the product and the sum apart. `mod_rows`:
+    proofs that scale's and shift's per-token rows are each batch's first (`uniform_rows`), which
+    only the kernel reads."""
     if enabled and torch.compiler.is_compiling():
         return _traced(rows, scale, shift, eps, addcmul)
     result = (
-        fused(rows, scale, shift, eps, write_residual=write_residual, addcmul=addcmul) if enabled else None
+        fused(rows, scale, shift, eps, write_residual=write_residual, addcmul=addcmul, mod_rows=mod_rows)
+        if enabled
+        else None
     )
     return result if result is not None else reference.segments(rows, scale, shift, eps, addcmul=addcmul)
 
@@ -246,12 +286,18 @@ def quantized_reason(
 
 
 def quantized(
-    rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float, *, write_residual: bool
+    rows: Sequence[Segment],
+    scale: Modulation,
+    shift: Modulation,
+    eps: float,
+    *,
+    write_residual: bool,
+    mod_rows: ModulationRows = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """(q, scale, stream): the site's out as torchao's per-row float8 (e4m3fn bytes of out's shape,
     a float32 scale a row [..., 1]) and its stream as `fused` gives it, from one launch; None where
     the quantizing form declines (`quantized_reason`) or under a torch.compile trace (the caller
-    then computes out, and the Linear quantizes it)."""
+    then computes out, and the Linear quantizes it). `mod_rows` as `apply`'s."""
     if torch.compiler.is_compiling():
         return None
     try:
@@ -263,10 +309,11 @@ def quantized(
         return None
     if quantized_runtime_reason(rows[0].residual) is not None:
         return None
+    words = _words(rows, scale, shift, mod_rows)
     if rows[0].update is None:
-        q, q_scale, _ = launch_quantized(rows, scale, shift, eps, write_residual=False)
+        q, q_scale, _ = launch_quantized(rows, scale, shift, eps, write_residual=False, words=words)
         return q, q_scale, rows[0].residual if write_residual else None
-    return launch_quantized(rows, scale, shift, eps, write_residual=write_residual)
+    return launch_quantized(rows, scale, shift, eps, write_residual=write_residual, words=words)
 
 
 def _traced(
@@ -349,6 +396,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "Config",
     "Modulation",
+    "ModulationRows",
     "Segment",
     "addcmul_reason",
     "apply",

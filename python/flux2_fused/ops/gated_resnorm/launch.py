@@ -9,6 +9,11 @@ import torch
 from .. import jit
 from .reference import Modulation, Segment
 
+# uniform_rows words: (first segment's gate, first's scale and shift, second's gate, second's scale
+# and shift), each an int32 [1] or None where the rows are not proven.
+Words = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+NO_WORDS: Words = (None, None, None, None)
+
 SPEC = jit.KernelSpec(
     "gated_resnorm",
     sources=("gated_resnorm.cu",),
@@ -26,6 +31,7 @@ def launch(
     *,
     write_residual: bool,
     addcmul: bool = False,
+    words: Words = NO_WORDS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the kernel over one or two segments of rows (the second follows the first along tokens,
     both gated or both plain, both with one update or both with two); returns (out, residual_out),
@@ -34,6 +40,8 @@ def launch(
     scale and shift: one tensor modulating every row of the launch (with per-token rows, the rows of
     the concat), or a tuple with one per segment, each modulating its own segment's rows. `addcmul`:
     the modulation rounds as aten's addcmul (ComfyUI's `apply_mod`), not as diffusers' chain.
+    `words`: uniform_rows words of the segments' per-token rows (`Words`): where one is 0 the kernel
+    reads each batch's first row for every token.
 
     The per-site hot path: the C++ entry reads [T, D] / [B, T, D] streams and the modulation rows
     the guards accept, [D] / [1|T, D] / [1|B, 1|T, D] (one row a batch or one for all, one row a
@@ -45,13 +53,19 @@ def launch(
     out = _empty(rows, (*gate, *modulation[:2]))
     residual_out = _empty(rows, gate) if write_residual else None
     jit.module_for(SPEC, out.device).gated_resnorm(
-        out, None, residual_out, *modulation, *segments, float(eps), bool(addcmul)
+        out, None, residual_out, *modulation, *segments, float(eps), bool(addcmul), *words
     )
     return out, residual_out
 
 
 def launch_quantized(
-    rows: Sequence[Segment], scale: Modulation, shift: Modulation, eps: float, *, write_residual: bool
+    rows: Sequence[Segment],
+    scale: Modulation,
+    shift: Modulation,
+    eps: float,
+    *,
+    write_residual: bool,
+    words: Words = NO_WORDS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The quantizing form of `launch` (diffusers' rounding): (q, q_scale, residual_out), q the
     e4m3fn bytes of torchao's per-row float8 of out (out's shape) and q_scale its float32 scale a
@@ -63,7 +77,7 @@ def launch_quantized(
     q_scale = torch.empty((*shape[:-1], 1), dtype=torch.float32, device=device)
     residual_out = _empty(rows, gate) if write_residual else None
     jit.module_for(SPEC, device).gated_resnorm(
-        q, q_scale, residual_out, *modulation, *segments, float(eps), False
+        q, q_scale, residual_out, *modulation, *segments, float(eps), False, *words
     )
     return q, q_scale, residual_out
 
@@ -118,3 +132,31 @@ def _eager_shape(stream: torch.Tensor, *modulation: torch.Tensor) -> torch.Size:
     if stream.dim() == 2 and any(t.dim() == 3 for t in modulation):
         return torch.Size((1, *stream.shape))
     return stream.shape
+
+
+def moved_bytes(args: Sequence[object]) -> int:
+    """The bytes a launch with the entry's arguments (`launch`'s call) moves, for the benchmarks'
+    traffic count: each tensor's elements once, but per-token modulation rows that a word of 0
+    proves equal (the word read back here) once a batch, as the kernel reads them from cache."""
+    tensors = [a if isinstance(a, torch.Tensor) else None for a in args]
+    scale, shift, scale1, shift1 = tensors[3:7]
+    gates = tensors[10], tensors[14]
+    gate0_word, mod0_word, gate1_word, mod1_word = tensors[17:21]
+    proven = {
+        id(t)
+        for word, group in (
+            (gate0_word, (gates[0],)),
+            (mod0_word, (scale, shift)),
+            (gate1_word, (gates[1],)),
+            (mod1_word, (scale1, shift1)),
+        )
+        if word is not None and int(word) == 0
+        for t in group
+        if t is not None and t.dim() >= 2
+    }
+    moved = 0
+    for t in tensors[:17]:
+        if t is not None:
+            rows = t.shape[-2] if id(t) in proven else 1
+            moved += t.numel() // rows * t.element_size()
+    return moved

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..uniform_rows import UniformRows
+
 
 @dataclass(frozen=True, slots=True)
 class Segment:
@@ -36,6 +38,9 @@ class Segment:
     # A second update added to the first before the gate multiplies them (keyword only, so the
     # positional form of FLUX.1/FLUX.2's segments is unchanged).
     update2: torch.Tensor | None = field(default=None, kw_only=True)
+    # A proof that the gate's per-token rows are each batch's first (FLUX.3's), which the kernel may
+    # then read for every token; the eager chain has no use for it.
+    gate_rows: UniformRows | None = field(default=None, kw_only=True)
 
     @property
     def gated(self) -> bool:
@@ -57,11 +62,21 @@ class Segment:
         gate = self.gate
         if gate is not None and gate.dim() >= 2 and gate.shape[-2] != 1:  # per-token rows
             gate = gate[..., start:, :]
-        return Segment(self.residual[..., start:, :], update, gate, self.deferred, update2=update2)
+        return Segment(
+            self.residual[..., start:, :],
+            update,
+            gate,
+            self.deferred,
+            update2=update2,
+            gate_rows=self.gate_rows,
+        )
 
 
 # A site's scale or shift: one tensor for all its rows, or a tuple with one tensor per segment.
 Modulation = torch.Tensor | tuple[torch.Tensor, ...]
+# Proofs that scale's and shift's per-token rows are each batch's first, in the same form: one for
+# every row, or a tuple with one (or None) per segment.
+ModulationRows = UniformRows | tuple[UniformRows | None, ...] | None
 
 
 def modnorm(

@@ -4,7 +4,8 @@ The guards prove what metadata can; this proves the rest on the machine at hand 
 compiler and torch build). It feeds what breaks naive kernels: constant rows (variance 0), huge and
 tiny magnitudes, NaN and +-Inf, FLUX.2's strided per-batch modulation and broadcast rows, FLUX.3's
 per-token modulation (chunks of a [B, T, 3D] tensor), its two-term update and its single block's
-two segments with their own modulation, the plain variant, each with diffusers' and ComfyUI's
+two segments with their own modulation, per-token rows proven equal (uniform_rows words of 0: the
+kernel reads each batch's first row for every token), the plain variant, each with diffusers' and ComfyUI's
 (addcmul) modulation rounding, and rows of random bit patterns in
 every input (the packed pair math's equality with eager rests on the hardware's rounding:
 docs/numerics.md).
@@ -22,8 +23,11 @@ from .. import runtime
 from ..bits import bits_equal, random_bits
 from ..runtime import FusedOp
 from . import reference
-from .launch import SPEC, launch, launch_quantized
+from .launch import NO_WORDS, SPEC, Words, launch, launch_quantized
 from .reference import Modulation, Segment
+
+# A case: its segments, scale, shift and the uniform_rows words the launch gets.
+Case = tuple[list[Segment], Modulation, Modulation, Words]
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,16 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     txt_residual, txt_update, txt_update2 = (stream(batch, text, dim) for _ in range(3))
     c_shift, c_scale, c_gate = randn(batch, text, 3 * dim).chunk(3, dim=-1)
     noise = [random_bits((batch, tokens, dim), dtype, gen) for _ in range(6)]
-    cases = {
+
+    # FLUX.3's modulation as its model makes it: one row a batch (here an edge row, with a NaN) in
+    # every token's row; the words say so (0), and the kernel reads each batch's first row.
+    def uniform(rows: int, first: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return first.expand(batch, rows, 3 * dim).contiguous().chunk(3, dim=-1)
+
+    u_shift, u_scale, u_gate = uniform(tokens, stream(batch, tokens, 3 * dim)[:, 3:4])
+    uc_shift, uc_scale, uc_gate = uniform(text, randn(batch, 1, 3 * dim))
+    equal = torch.zeros(1, dtype=torch.int32, device=device)
+    cases: dict[str, tuple] = {
         "gated, per-batch modulation": ([Segment(residual, update, gate)], scale, shift),
         "gated, broadcast modulation": ([Segment(residual, update, gate[:1, 0])], scale[0, 0], shift[:1, 0]),
         "no residual": ([Segment(residual)], scale, shift),
@@ -117,20 +130,44 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
             noise[4],
             noise[5],
         ),
+        "two-term update, per-token rows proven equal": (
+            [Segment(residual, update, u_gate, update2=update2)],
+            u_scale,
+            u_shift,
+            (equal, equal, None, None),
+        ),
+        "no residual, per-token rows proven equal": (
+            [Segment(residual)],
+            u_scale,
+            u_shift,
+            (None, equal, None, None),
+        ),
+        "two segments, per-segment rows proven equal": (
+            [
+                Segment(txt_residual, txt_update, uc_gate, update2=txt_update2),
+                Segment(residual, update, u_gate, update2=update2),
+            ],
+            (uc_scale, u_scale),
+            (uc_shift, u_shift),
+            (equal, equal, equal, equal),
+        ),
+    }
+    full: dict[str, Case] = {
+        name: case if len(case) == 4 else (*case, NO_WORDS) for name, case in cases.items()
     }
     if config.quantized:
-        return _check_quantized(device, cases, (batch, tokens, dim, dtype))
+        return _check_quantized(device, full, (batch, tokens, dim, dtype))
     # Every case with diffusers' modulation, and those ComfyUI's rounding covers with it (aten's
     # addcmul: one rounding; one modulation row a batch, one-term updates, D <= 6144).
     from .guards import addcmul_reason  # the guards import this module's configurations
 
     checked = 0
-    for (name, (rows, sc, sh)), addcmul in itertools.product(cases.items(), (False, True)):
+    for (name, (rows, sc, sh, words)), addcmul in itertools.product(full.items(), (False, True)):
         if addcmul and addcmul_reason(rows, sc, sh) is not None:
             continue
         checked += 1
         gated = rows[0].gated
-        out, residual_out = launch(rows, sc, sh, 1e-6, write_residual=gated, addcmul=addcmul)
+        out, residual_out = launch(rows, sc, sh, 1e-6, write_residual=gated, addcmul=addcmul, words=words)
         ref_out, ref_stream = reference.segments(rows, sc, sh, addcmul=addcmul)
         where = f"{name}{', addcmul' if addcmul else ''}"
         if gated and (residual_out is None or not bits_equal(residual_out, ref_stream)):
@@ -140,14 +177,12 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     torch.cuda.synchronize(device)
     return True, (
         f"{checked} cases x [{batch}, {tokens}, {dim}] {dtype} (per-batch, broadcast and per-token "
-        "modulation, two-term updates, two segments, diffusers' and addcmul rounding), random + edge "
-        "rows + random bits"
+        "modulation, per-token rows proven equal, two-term updates, two segments, diffusers' and "
+        "addcmul rounding), random + edge rows + random bits"
     )
 
 
-def _check_quantized(
-    device: torch.device, cases: dict[str, tuple[list[Segment], Modulation, Modulation]], shape: tuple
-) -> tuple[bool, str]:
+def _check_quantized(device: torch.device, cases: dict[str, Case], shape: tuple) -> tuple[bool, str]:
     """The quantizing form's verdict over the cases it takes (`quantized_form_reason`: one
     modulation row a batch with no update or one, per-token or per-segment rows with no update or a
     two-term one, twin segments): its bytes and scales against torchao's quantization
@@ -157,12 +192,12 @@ def _check_quantized(
     from .guards import quantized_form_reason  # the guards import this module's configurations
 
     checked = 0
-    for name, (rows, sc, sh) in cases.items():
+    for name, (rows, sc, sh, words) in cases.items():
         if quantized_form_reason(rows, sc, sh) is not None:
             continue
         checked += 1
         gated = rows[0].gated
-        q, q_scale, residual_out = launch_quantized(rows, sc, sh, 1e-6, write_residual=gated)
+        q, q_scale, residual_out = launch_quantized(rows, sc, sh, 1e-6, write_residual=gated, words=words)
         ref_out, ref_stream = reference.segments(rows, sc, sh)
         if gated and (residual_out is None or not bits_equal(residual_out, ref_stream)):
             return False, f"{name}, quantized: residual_out differs from eager"
@@ -172,8 +207,8 @@ def _check_quantized(
     batch, tokens, dim, dtype = shape
     return True, (
         f"{checked} quantizing cases x [{batch}, {tokens}, {dim}] {dtype} (per-batch and broadcast "
-        "modulation with one update, per-token with two, two segments), random + edge rows + random "
-        "bits, against torchao's per-row float8"
+        "modulation with one update, per-token with two, proven equal or not, two segments), random + "
+        "edge rows + random bits, against torchao's per-row float8"
     )
 
 
