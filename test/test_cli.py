@@ -1031,8 +1031,9 @@ def _diffusers_version(version: str, monkeypatch: pytest.MonkeyPatch) -> None:
             ["kernel", "--shapes", "6144x"],
             None,
             "--shapes '6144x': --op gated_resnorm takes DxT, DxT:token, DxT:update2, DxT:twin, DxT:quant, "
-            "DxT:update2-quant or DxT:twin-quant (hidden x tokens, e.g. 6144x4608; quant: torchao's per-row "
-            "float8 of the norm), whole numbers of at least 1",
+            "DxT:update2-quant, DxT:twin-quant, DxT:update2-proven or DxT:twin-proven (hidden x tokens, e.g. "
+            "6144x4608; quant: torchao's per-row float8 of the norm; proven: modulation rows proven equal), "
+            "whole numbers of at least 1",
         ),
         (["kernel", "--shapes", "6144x4608", "0x512"], None, "--shapes '0x512': --op gated_resnorm takes"),
         (["kernel", "--shapes", "6144x4608:single"], None, "--shapes '6144x4608:single': --op gated_resnorm"),

@@ -52,3 +52,25 @@ def test_a_failing_step_puts_the_module_back(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(RuntimeError, match="the step failed"):
         fused_bytes(step)
     assert isinstance(jit.module_for(None, None), _Kernels)
+
+
+def test_gated_resnorm_counts_proven_modulation_rows_once_a_batch() -> None:
+    """Its launch's arguments as `gated_resnorm.launch` passes them: with a word of 0 the gate and the
+    scale and shift move one row a batch; with a word of 1, or none, every token's row."""
+    from flux2_fused.ops.gated_resnorm.launch import moved_bytes
+
+    batch, tokens, dim = 2, 5, 8
+    stream = torch.empty(batch, tokens, dim, dtype=torch.bfloat16)
+    shift, scale, gate = torch.empty(batch, tokens, 3 * dim, dtype=torch.bfloat16).chunk(3, dim=-1)
+    equal, differs = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+
+    def args(words: tuple) -> tuple:
+        segment = (stream, stream, stream, gate, None, None, None, None)
+        return (stream, None, stream, scale, shift, None, None, *segment, 1e-6, False, *words)
+
+    row, rows = batch * dim * 2, batch * tokens * dim * 2
+    every = 5 * rows + 3 * rows  # out, residual_out, residual, update, update2; gate, scale, shift
+    assert moved_bytes(args((None, None, None, None))) == every
+    assert moved_bytes(args((differs, differs, None, None))) == every
+    assert moved_bytes(args((equal, equal, None, None))) == 5 * rows + 3 * row
+    assert moved_bytes(args((None, equal, None, None))) == 5 * rows + rows + 2 * row

@@ -12,7 +12,10 @@ Sites (`--op`), the floors' bytes counted for bf16:
   text, each its own two-term update and modulation rows, normalized into one joint buffer with both
   streams written in one launch (16 bytes). DxT:quant is FLUX.2's site writing torchao's per-row
   float8 of the norm for the Linears that read it (7 bytes: the output one byte an element);
-  DxT:update2-quant and DxT:twin-quant are FLUX.3's sites writing it (15 bytes).
+  DxT:update2-quant and DxT:twin-quant are FLUX.3's sites writing it (15 bytes). DxT:update2-proven
+  and DxT:twin-proven are FLUX.3's sites with its modulation as the model makes it (each batch's
+  rows all its first) and uniform_rows' proofs of it, made before the timing: the kernel reads one
+  modulation row a batch (10 bytes).
 - qk_norm_rope, shapes HxT: one double block's attention prologue, H heads of 128, T joint tokens of
   which the first 512 are text: six projection outputs in (q, k, v of both streams), joint q, k, v
   out. Eager is diffusers' chain (RMSNorm modules, concat, RoPE, concat of v); fused is one launch
@@ -58,7 +61,16 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import BadValue
-from ..ops import bits_equal, float8_quant, gated_resnorm, gelu_tanh, qk_norm_rope, sandwich_norm, swiglu
+from ..ops import (
+    bits_equal,
+    float8_quant,
+    gated_resnorm,
+    gelu_tanh,
+    qk_norm_rope,
+    sandwich_norm,
+    swiglu,
+    uniform_rows,
+)
 from ..ops.qk_norm_rope.selfcheck import HEAD_DIM, rope_tables
 from .options import require_at_least_one
 from .results.kernel import KernelReport, KernelRow, format_kernel_table
@@ -88,6 +100,9 @@ DEFAULT_SHAPES = {
         # FLUX.3 [klein]'s norm sites quantizing for float8 Linears: an image mode block, a joint block.
         "3072x4096:update2-quant",
         "3072x4608:twin-quant",
+        # The mode block and the joint block with their modulation rows proven equal (uniform_rows).
+        "3072x4096:update2-proven",
+        "3072x4608:twin-proven",
     ],
     "qk_norm_rope": [
         "24x4608",
@@ -125,8 +140,9 @@ DEFAULT_SHAPES = {
 }
 # What a --shapes item of each op looks like, and the layouts after its colon ("" for none).
 SHAPE_FORMS = {
-    "gated_resnorm": "DxT, DxT:token, DxT:update2, DxT:twin, DxT:quant, DxT:update2-quant or DxT:twin-quant "
-    "(hidden x tokens, e.g. 6144x4608; quant: torchao's per-row float8 of the norm)",
+    "gated_resnorm": "DxT, DxT:token, DxT:update2, DxT:twin, DxT:quant, DxT:update2-quant, DxT:twin-quant, "
+    "DxT:update2-proven or DxT:twin-proven (hidden x tokens, e.g. 6144x4608; quant: torchao's per-row "
+    "float8 of the norm; proven: modulation rows proven equal)",
     "qk_norm_rope": "HxT, HxT:single, HxT:upcast or HxT:qwen (heads x joint tokens, e.g. 24x4608)",
     "sandwich_norm": "DxT, DxT:first, DxT:last or DxT:quant (hidden x tokens, e.g. 3840x4608; quant: "
     "torchao's per-row float8 of the next norm)",
@@ -137,7 +153,17 @@ SHAPE_FORMS = {
     "float8_quant": "KxT or KxT:tensor (row width x rows, e.g. 3072x4608; tensor: one scale)",
 }
 LAYOUTS = {
-    "gated_resnorm": ("", "token", "update2", "twin", "quant", "update2-quant", "twin-quant"),
+    "gated_resnorm": (
+        "",
+        "token",
+        "update2",
+        "twin",
+        "quant",
+        "update2-quant",
+        "twin-quant",
+        "update2-proven",
+        "twin-proven",
+    ),
     "qk_norm_rope": ("", "single", "upcast", "qwen"),
     "sandwich_norm": ("", "first", "last", "quant"),
     "swiglu": ("", "pair", "quant", "single", "quant-tensor", "single-tensor"),
@@ -199,7 +225,8 @@ def gated_resnorm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, 
     stream)."""
     _check_layout("gated_resnorm", layout)
     quant = layout.endswith("quant")
-    base = layout.removesuffix("quant").removesuffix("-")
+    proven = layout.endswith("proven")
+    base = layout.removesuffix("quant").removesuffix("proven").removesuffix("-")
     twin = base == "twin"
     txt = min(TEXT_TOKENS, tokens - 1) if twin else 0
     sizes = (txt, tokens - txt) if twin else (tokens,)
@@ -208,9 +235,15 @@ def gated_resnorm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device="cuda", dtype=dtype)
 
+    proofs: dict[int, uniform_rows.UniformRows | None] = {}  # by the shift chunk's address
+
     def segment(rows: int) -> tuple:
         """(residual, update, gate, scale, shift[, update2]) of `rows` tokens."""
-        if base:  # FLUX.3: per token, diffusers' (shift, scale, gate) chunks
+        if proven:  # FLUX.3's modulation as the model makes it, and its proof
+            mod = randn(batch, 1, 3 * width).expand(batch, rows, 3 * width).contiguous()
+            shift, scale, gate = mod.chunk(3, dim=-1)
+            proofs[shift.data_ptr()] = uniform_rows.check(mod)
+        elif base:  # FLUX.3: per token, diffusers' (shift, scale, gate) chunks
             shift, scale, gate = randn(batch, rows, 3 * width).chunk(3, dim=-1)
         else:  # FLUX.2: the MLP's (shift, scale, gate), a row a sample
             shift, scale, gate = randn(batch, 1, 6 * width).chunk(6, dim=-1)[3:]
@@ -227,7 +260,12 @@ def gated_resnorm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, 
         segment for the twin norms)."""
         n = len(args) // len(sizes)
         parts = [args[i : i + n] for i in range(0, len(args), n)]
-        rows = [gated_resnorm.Segment(*p[:3], update2=p[5] if two_terms else None) for p in parts]
+        rows = [
+            gated_resnorm.Segment(
+                *p[:3], update2=p[5] if two_terms else None, gate_rows=proofs.get(p[4].data_ptr())
+            )
+            for p in parts
+        ]
         if not twin:
             return rows, parts[0][3], parts[0][4]
         return rows, tuple(p[3] for p in parts), tuple(p[4] for p in parts)
@@ -241,13 +279,17 @@ def gated_resnorm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, 
         def fused(*args: torch.Tensor) -> object:
             return gated_resnorm.quantized(*site(args), EPS, write_residual=True)
 
-    elif twin:
+    elif twin or proven:
 
         def eager(*args: torch.Tensor) -> tuple:
             return gated_resnorm.reference.segments(*site(args), EPS)
 
         def fused(*args: torch.Tensor) -> object:
-            return gated_resnorm.fused(*site(args), EPS, write_residual=True)
+            rows, scale, shift = site(args)
+            mod_rows = (
+                tuple(proofs.get(t.data_ptr()) for t in shift) if twin else proofs.get(shift.data_ptr())
+            )
+            return gated_resnorm.fused(rows, scale, shift, EPS, write_residual=True, mod_rows=mod_rows)
 
     else:  # (residual, update, gate, scale, shift[, update2])
 
@@ -258,9 +300,9 @@ def gated_resnorm_case(width: int, tokens: int, batch: int, dtype: torch.dtype, 
             return gated_resnorm.gated_resnorm(*args[:5], EPS, update2=args[5] if two_terms else None)
 
     elements = batch * tokens * width
-    # Read residual and update(s), write residual and output; per-token rows read three more; the
-    # quantizing form writes the output one byte an element.
-    values = 4 + 3 * bool(base) + two_terms - quant
+    # Read residual and update(s), write residual and output; per-token rows read three more (proven
+    # ones one row a batch, from cache); the quantizing form writes the output one byte an element.
+    values = 4 + 3 * (bool(base) and not proven) + two_terms - quant
     floor_bytes = (values * dtype.itemsize + quant) * elements
     sets = _sets(make, floor_bytes)
     reason = (gated_resnorm.quantized_reason if quant else gated_resnorm.decline_reason)(*site(sets[0]))

@@ -21,8 +21,9 @@ import torch
 
 from ..float8_linear import Quantized
 from ..ops import gated_resnorm
-from ..ops.gated_resnorm import Segment
+from ..ops.gated_resnorm import ModulationRows, Segment
 from ..ops.gated_resnorm.reference import Modulation
+from ..ops.uniform_rows import UniformRows
 
 try:
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -128,12 +129,14 @@ class Fusion:
         gate: torch.Tensor,
         clip_fp16: bool = False,
         update2: torch.Tensor | None = None,
+        gate_rows: UniformRows | None = None,
     ) -> Stream:
         """`x + gate * update` (with `update2`: `x + gate * (update + update2)`, FLUX.3's parallel
         attention and MLP), deferred where the next fused norm can consume it.
 
         clip_fp16: the host saturates this stream at +-65504 in fp16 (`saturate`), which must happen
-        before any reader, so such a site is always materialized.
+        before any reader, so such a site is always materialized. gate_rows: a proof that the gate's
+        per-token rows are each batch's first (`uniform_rows`), for the kernel that consumes it.
         """
         x = materialize(x)
         # A tensor-parallel row-wise projection's all-reduced output, before its wait: the value is
@@ -142,10 +145,17 @@ class Fusion:
         update, update2 = (_waited(t) for t in (update, update2))
         if clip_fp16 and x.dtype == torch.float16:
             return self.saturate(Segment(x, update, gate, update2=update2).materialize())
-        return gated_resnorm.defer(x, update, gate, update2=update2, enabled=self.fused)
+        return gated_resnorm.defer(x, update, gate, update2=update2, gate_rows=gate_rows, enabled=self.fused)
 
     def norm(
-        self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float, *, float8_rows: bool = False
+        self,
+        x: Stream,
+        scale: torch.Tensor,
+        shift: torch.Tensor,
+        eps: float,
+        *,
+        float8_rows: bool = False,
+        mod_rows: UniformRows | None = None,
     ) -> Normed:
         """`(1 + scale) * layer_norm(stream) + shift` and the stream, in one launch where the fused
         kernel accepts the call.
@@ -154,15 +164,25 @@ class Fusion:
         input per row (`Host.float8_input`). The norm then comes as that quantization
         (`float8_linear.Quantized`, from the kernel's quantizing form) where the form accepts the
         call: the bf16 norm is neither written nor read back. A reader that needs the values after
-        all computes them from the stream (`dense`), the same bits."""
+        all computes them from the stream (`dense`), the same bits.
+
+        mod_rows: a proof that scale's and shift's per-token rows are each batch's first
+        (`uniform_rows`), which the kernel then reads for every token."""
         rows = _segments(x)
-        got = self._quantized(rows, scale, shift, eps, write_residual=True) if float8_rows else None
+        got = self._quantized(rows, scale, shift, eps, True, mod_rows) if float8_rows else None
         if got is not None:
             q, q_scale, stream = got
             assert stream is not None
-            return Normed(self._float8(q, q_scale, [stream], scale, shift, eps), stream)
+            return Normed(self._float8(q, q_scale, [stream], scale, shift, eps, mod_rows), stream)
         out, stream = gated_resnorm.apply(
-            rows, scale, shift, eps, write_residual=True, enabled=self.fused, addcmul=self.addcmul
+            rows,
+            scale,
+            shift,
+            eps,
+            write_residual=True,
+            enabled=self.fused,
+            addcmul=self.addcmul,
+            mod_rows=mod_rows,
         )
         assert stream is not None
         return Normed(out, stream)
@@ -175,20 +195,29 @@ class Fusion:
         eps: float,
         *,
         float8_rows: bool = False,
+        mod_rows: ModulationRows = None,
     ) -> tuple[torch.Tensor | Quantized, torch.Tensor, torch.Tensor]:
         """FLUX.3's twin norms: each of two streams normalized with its own modulation (`scale` and
         `shift` tuples of two), into one joint buffer, text first; returns (joint norm, first
         stream, second stream). Two pending updates are consumed by the launch, which writes both
         streams; otherwise the streams are materialized first and the launch writes only the norm
         (one launch either way). float8_rows: as `norm`'s, the joint norm as torchao's per-row
-        float8 where the quantizing form takes the call."""
+        float8 where the quantizing form takes the call. mod_rows: proofs of equal rows for the two
+        modulations (a tuple of two, each or both None), as `norm`'s."""
         first, second = parts
         pending = isinstance(first, Segment) and isinstance(second, Segment)
         rows = [first, second] if pending else [Segment(materialize(part)) for part in parts]
-        got = self._quantized(rows, scale, shift, eps, write_residual=pending) if float8_rows else None
+        got = self._quantized(rows, scale, shift, eps, pending, mod_rows) if float8_rows else None
         if got is None:
             out, joint = gated_resnorm.apply(
-                rows, scale, shift, eps, write_residual=pending, enabled=self.fused, addcmul=self.addcmul
+                rows,
+                scale,
+                shift,
+                eps,
+                write_residual=pending,
+                enabled=self.fused,
+                addcmul=self.addcmul,
+                mod_rows=mod_rows,
             )
         else:
             q, q_scale, joint = got
@@ -199,17 +228,25 @@ class Fusion:
         else:
             first, second = (segment.residual for segment in rows)
         if got is not None:
-            out = self._float8(q, q_scale, [first, second], scale, shift, eps)
+            out = self._float8(q, q_scale, [first, second], scale, shift, eps, mod_rows)
         return out, first, second
 
     def _quantized(
-        self, rows: list[Segment], scale: Modulation, shift: Modulation, eps: float, *, write_residual: bool
+        self,
+        rows: list[Segment],
+        scale: Modulation,
+        shift: Modulation,
+        eps: float,
+        write_residual: bool,
+        mod_rows: ModulationRows,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """(q, q_scale, stream) of a norm site from the kernel's quantizing form (`float8_rows`);
         None where the form declines."""
         if not self.fused or self.addcmul:
             return None
-        return gated_resnorm.quantized(rows, scale, shift, eps, write_residual=write_residual)
+        return gated_resnorm.quantized(
+            rows, scale, shift, eps, write_residual=write_residual, mod_rows=mod_rows
+        )
 
     def _float8(
         self,
@@ -219,6 +256,7 @@ class Fusion:
         scale: Modulation,
         shift: Modulation,
         eps: float,
+        mod_rows: ModulationRows,
     ) -> Quantized:
         """The quantizing form's (q, q_scale) as the norm's out for torchao's float8 Linears. Its
         `dense` computes the values from the normalized streams (one, or one a segment where each
@@ -226,7 +264,9 @@ class Fusion:
 
         def dense() -> torch.Tensor:
             plain = [Segment(t) for t in streams]
-            return gated_resnorm.apply(plain, scale, shift, eps, write_residual=False, enabled=self.fused)[0]
+            return gated_resnorm.apply(
+                plain, scale, shift, eps, write_residual=False, enabled=self.fused, mod_rows=mod_rows
+            )[0]
 
         return Quantized(q, q_scale, "row", streams[0].dtype, dense)
 

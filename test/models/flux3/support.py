@@ -14,7 +14,9 @@ TINY = flux3_config("flux3-tiny")
 FAMILY = blocks  # for count_block_code
 PIPELINE_STEPS = 2
 # A mode block's sites: its modulated norm, its q/k prologue, its SwiGLU; a joint single block's: its
-# twin norms (one launch), its prologue, its SwiGLU; the output norm once.
+# twin norms (one launch), its prologue, its SwiGLU; the output norm once. And the proofs of equal
+# modulation rows: each mode stack's, the text rows' and (without a reference image) the content
+# rows' for the joint blocks.
 MODE_BLOCK_SITES = 3
 SINGLE_BLOCK_SITES = 3
 
@@ -24,7 +26,9 @@ def fused_sites(model: torch.nn.Module, references: bool) -> int:
     image, and the reference image's with `references`) runs the mode blocks."""
     modes = 3 if references else 2
     mode_blocks = modes * len(model.txt_mode_blocks)
-    return MODE_BLOCK_SITES * mode_blocks + SINGLE_BLOCK_SITES * len(model.single_transformer_blocks) + 1
+    proofs = modes + (1 if references else 2)
+    blocks = MODE_BLOCK_SITES * mode_blocks + SINGLE_BLOCK_SITES * len(model.single_transformer_blocks)
+    return blocks + 1 + proofs
 
 
 def transformer(seed: int = 1, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:

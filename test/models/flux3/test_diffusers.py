@@ -182,3 +182,49 @@ def test_the_fused_branches_are_diffusers_bit_for_bit(
     singles = support.TINY["num_single_layers"]
     assert len(gated_resnorm_on_cpu) == modes * support.TINY["num_layers"] + singles + 1
     assert gated_resnorm_on_cpu.count(2) == singles
+
+
+@pytest.mark.parametrize("references", [0, 1], ids=["t2i", "reference"])
+def test_proven_modulation_rows_are_read_once_a_batch(
+    references: int, uniform_rows_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With uniform_rows' proofs (made on the CPU by its predicate) the norms read each batch's first
+    modulation row for every token (the stand-in kernel reads them so): diffusers' bits, and every
+    site that reads a proven modulation gets its word."""
+    dtype = torch.bfloat16
+    _compare(
+        support.transformer(dtype=dtype),
+        monkeypatch,
+        **support.step_inputs(references=references, dtype=dtype),
+    )
+    layers, singles = support.TINY["num_layers"], support.TINY["num_single_layers"]
+    # A mode stack: its first norm the modulation's word, each later one its pending gate's too.
+    stacks = (2 + references) * (2 * layers - 1)
+    if references:
+        # The content rows (image, then reference) have no proof, and enter the joint blocks
+        # concatenated: the text rows' words, both the first joint block's, one a block after it.
+        assert sum(uniform_rows_on_cpu) == stacks + 1 + 2 * (singles - 1)
+    else:
+        # Twin norms: both gates and both modulations; the output norm: the pending content gate.
+        assert sum(uniform_rows_on_cpu) == stacks + 4 * singles + 1
+
+
+def test_a_hook_that_changes_the_modulation_revokes_its_proof(
+    uniform_rows_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pre-hook on the first image mode block changes one token's modulation row in place, as
+    eager's later blocks then read it too. Under inference mode torch keeps no version counter, so
+    only the revocation (the block went to the host's call) stops the stack's proof: the next block
+    reads every token's own row, and the output stays diffusers'."""
+    dtype = torch.bfloat16
+    model = support.transformer(dtype=dtype)
+
+    def change(module: torch.nn.Module, args: tuple) -> None:
+        args[1][:, -1] += 1  # temb_mod: positional in diffusers' loop and in the block code's call
+
+    model.mode_blocks["image"][0].register_forward_pre_hook(change)
+    _compare(model, monkeypatch, **support.step_inputs(dtype=dtype))
+    layers = support.TINY["num_layers"]
+    # The text stack proven throughout (its first norm one word, later ones two); the image stack's
+    # proof revoked at its first block, which runs the block code under the hook without it.
+    assert uniform_rows_on_cpu[: 2 * layers] == [1] + [2] * (layers - 1) + [0] * layers

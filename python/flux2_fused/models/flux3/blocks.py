@@ -11,6 +11,11 @@ diffusers' `Flux3Transformer2DModel` differs from FLUX.2 in four ways this file 
   updates the two streams with their own gates, both left pending;
 - the attention prologue upcasts q and k to fp32 before the RMSNorm (its weight kept in fp32) and
   RoPE, rounding once at the end (`qk_norm_rope` in its fp32 mode).
+The per-token modulation is a Linear of a time embedding expanded over the tokens, so its rows are
+each batch's first in every run measured; `uniform_rows` proves it on the GPU once a step for each
+modulation a stack shares, and the norms then read one row a batch where the proof's word says so.
+A proof is revoked where the modulation goes to a block the block code does not run (a hook could
+change it in place).
 Each dispatcher runs the block code where the module is plain, the host's call elsewhere; the
 `*_body` functions are the block code, which the diffusers binding's block forwards call too.
 """
@@ -25,7 +30,8 @@ from torch import nn
 
 from ...float8_linear import Quantized, dense
 from ...host import Host
-from ...ops import qk_norm_rope
+from ...ops import qk_norm_rope, uniform_rows
+from ...ops.uniform_rows import UniformRows
 from ..common import (
     Rope,
     feed_forward,
@@ -104,13 +110,21 @@ def norm_float8_rows(host: Host, block: nn.Module) -> bool:
 
 
 def mode_block_body(
-    block: nn.Module, host: Host, fusion: Fusion, x: Stream, mod: torch.Tensor, rope: Rope
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    x: Stream,
+    mod: torch.Tensor,
+    rope: Rope,
+    rows: UniformRows | None = None,
 ) -> Stream:
-    """A mode block on a possibly-pending stream; returns `x + gate * (attn + mlp)` pending."""
+    """A mode block on a possibly-pending stream; returns `x + gate * (attn + mlp)` pending. rows:
+    the proof of mod's equal rows, where one was made."""
     shift, scale, gate = split_modulation(mod, 1)[0]
-    normed, x = fusion.norm(x, scale, shift, block.norm.eps, float8_rows=norm_float8_rows(host, block))
+    float8 = norm_float8_rows(host, block)
+    normed, x = fusion.norm(x, scale, shift, block.norm.eps, float8_rows=float8, mod_rows=rows)
     attn_out, mlp_out = parallel_update(block, host, fusion, normed, rope)
-    return fusion.add(x, attn_out, gate, update2=mlp_out)
+    return fusion.add(x, attn_out, gate, update2=mlp_out, gate_rows=rows)
 
 
 def block_plain(host: Host, block: nn.Module) -> bool:
@@ -118,12 +132,27 @@ def block_plain(host: Host, block: nn.Module) -> bool:
     return host.plain(block) and layer_norms_plain(host, block, ("norm",))
 
 
+def _revoke(*proofs: UniformRows | None) -> None:
+    """Stop vouching for modulations handed to code other than the block code."""
+    for proof in proofs:
+        if proof is not None:
+            proof.revoke()
+
+
 def mode_block(
-    block: nn.Module, host: Host, fusion: Fusion, x: Stream, mod: torch.Tensor, rope: Rope
+    block: nn.Module,
+    host: Host,
+    fusion: Fusion,
+    x: Stream,
+    mod: torch.Tensor,
+    rope: Rope,
+    rows: UniformRows | None = None,
 ) -> Stream:
-    """One mode block: its body where plain, else the host's call on the stream materialized."""
+    """One mode block: its body where plain, else the host's call on the stream materialized (and
+    mod's proof revoked)."""
     if block_plain(host, block):
-        return mode_block_body(block, host, fusion, x, mod, rope)
+        return mode_block_body(block, host, fusion, x, mod, rope, rows)
+    _revoke(rows)
     return host.call(block, materialize(x), mod, rope)
 
 
@@ -149,20 +178,30 @@ def single_block_body(
     mod: torch.Tensor,
     mod_context: torch.Tensor,
     rope: Rope,
+    rows: UniformRows | None = None,
+    rows_context: UniformRows | None = None,
 ) -> tuple[Stream, Stream]:
     """A joint single block on possibly-pending text (c) and content (x) streams: both modulated
     norms written into one joint buffer (text first), attention and MLP on it, each stream's update
-    `stream + gate * (attn + mlp)` over its own rows left pending. Returns (text, content)."""
+    `stream + gate * (attn + mlp)` over its own rows left pending. Returns (text, content). rows and
+    rows_context: the proofs of mod's and mod_context's equal rows, where made."""
     shift, scale, gate = split_modulation(mod, 1)[0]
     c_shift, c_scale, c_gate = split_modulation(mod_context, 1)[0]
     normed, c, x = fusion.joint_norm(
-        (c, x), (c_scale, scale), (c_shift, shift), block.norm.eps, float8_rows=norm_float8_rows(host, block)
+        (c, x),
+        (c_scale, scale),
+        (c_shift, shift),
+        block.norm.eps,
+        float8_rows=norm_float8_rows(host, block),
+        mod_rows=(rows_context, rows),
     )
     text_tokens = c.shape[1]
     attn_out, mlp_out = parallel_update(block, host, fusion, normed, rope)
     return (
-        fusion.add(c, attn_out[:, :text_tokens], c_gate, update2=mlp_out[:, :text_tokens]),
-        fusion.add(x, attn_out[:, text_tokens:], gate, update2=mlp_out[:, text_tokens:]),
+        fusion.add(
+            c, attn_out[:, :text_tokens], c_gate, update2=mlp_out[:, :text_tokens], gate_rows=rows_context
+        ),
+        fusion.add(x, attn_out[:, text_tokens:], gate, update2=mlp_out[:, text_tokens:], gate_rows=rows),
     )
 
 
@@ -192,11 +231,14 @@ def single_block(
     mod: torch.Tensor,
     mod_context: torch.Tensor,
     rope: Rope,
+    rows: UniformRows | None = None,
+    rows_context: UniformRows | None = None,
 ) -> tuple[Stream, Stream]:
     """One joint single block: its body where plain, else the host's call (diffusers' keywords,
-    (text, content) back) on the streams materialized."""
+    (text, content) back) on the streams materialized (and the modulations' proofs revoked)."""
     if block_plain(host, block):
-        return single_block_body(block, host, fusion, c, x, mod, mod_context, rope)
+        return single_block_body(block, host, fusion, c, x, mod, mod_context, rope, rows, rows_context)
+    _revoke(rows, rows_context)
     return host.call(
         block,
         hidden_states=materialize(x),
@@ -319,8 +361,9 @@ def transformer(model: nn.Module, host: Host, fusion: Fusion, cond: Conditioning
         modes.append((cond.reference, model.mode_blocks["image_cond"]))
     for mode, blocks in modes:
         x: Stream = mode.x
+        rows = uniform_rows.check(mode.early_mod, enabled=fusion.fused)
         for block in blocks:
-            x = mode_block(block, host, fusion, x, mode.early_mod, mode.rope)
+            x = mode_block(block, host, fusion, x, mode.early_mod, mode.rope, rows)
         streams.append(x)
     c, content = streams[0], streams[1]
     content_mod = cond.image.single_mod
@@ -328,10 +371,16 @@ def transformer(model: nn.Module, host: Host, fusion: Fusion, cond: Conditioning
         content = torch.cat([materialize(content), materialize(streams[2])], dim=1)
         content_mod = torch.cat([content_mod, cond.reference.single_mod], dim=1)
         rope = _joint_rope(cond.text, cond.image, cond.reference)
+        # Image rows at the step's time, reference rows at 0: their rows differ, nothing to prove.
+        content_rows = None
     else:
         rope = _joint_rope(cond.text, cond.image)
+        content_rows = uniform_rows.check(content_mod, enabled=fusion.fused)
+    text_rows = uniform_rows.check(cond.text.single_mod, enabled=fusion.fused)
     for block in model.single_transformer_blocks:
-        c, content = single_block(block, host, fusion, c, content, content_mod, cond.text.single_mod, rope)
+        c, content = single_block(
+            block, host, fusion, c, content, content_mod, cond.text.single_mod, rope, content_rows, text_rows
+        )
     image_tokens = cond.image.x.shape[1]
     if cond.reference is not None:  # the reference rows produce no output
         content = materialize(content)[:, :image_tokens]
