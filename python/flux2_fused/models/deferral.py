@@ -174,16 +174,7 @@ class Fusion:
             q, q_scale, stream = got
             assert stream is not None
             return Normed(self._float8(q, q_scale, [stream], scale, shift, eps, mod_rows), stream)
-        out, stream = gated_resnorm.apply(
-            rows,
-            scale,
-            shift,
-            eps,
-            write_residual=True,
-            enabled=self.fused,
-            addcmul=self.addcmul,
-            mod_rows=mod_rows,
-        )
+        out, stream = self._apply(rows, scale, shift, eps, True, mod_rows)
         assert stream is not None
         return Normed(out, stream)
 
@@ -209,16 +200,7 @@ class Fusion:
         rows = [first, second] if pending else [Segment(materialize(part)) for part in parts]
         got = self._quantized(rows, scale, shift, eps, pending, mod_rows) if float8_rows else None
         if got is None:
-            out, joint = gated_resnorm.apply(
-                rows,
-                scale,
-                shift,
-                eps,
-                write_residual=pending,
-                enabled=self.fused,
-                addcmul=self.addcmul,
-                mod_rows=mod_rows,
-            )
+            out, joint = self._apply(rows, scale, shift, eps, pending, mod_rows)
         else:
             q, q_scale, joint = got
         if pending:
@@ -230,6 +212,27 @@ class Fusion:
         if got is not None:
             out = self._float8(q, q_scale, [first, second], scale, shift, eps, mod_rows)
         return out, first, second
+
+    def _apply(
+        self,
+        rows: list[Segment],
+        scale: Modulation,
+        shift: Modulation,
+        eps: float,
+        write_residual: bool,
+        mod_rows: ModulationRows = None,
+    ) -> gated_resnorm.Result:
+        """(out, stream) of a norm site: `gated_resnorm.apply` with the model's switch and rounding."""
+        return gated_resnorm.apply(
+            rows,
+            scale,
+            shift,
+            eps,
+            write_residual=write_residual,
+            enabled=self.fused,
+            addcmul=self.addcmul,
+            mod_rows=mod_rows,
+        )
 
     def _quantized(
         self,
@@ -273,6 +276,4 @@ class Fusion:
     def output_norm(self, x: Stream, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
         """The modulated norm of a stream that nothing reads afterwards: a pending update is consumed
         by the norm and never written out."""
-        return gated_resnorm.apply(
-            _segments(x), scale, shift, eps, write_residual=False, enabled=self.fused, addcmul=self.addcmul
-        )[0]
+        return self._apply(_segments(x), scale, shift, eps, False)[0]
