@@ -202,6 +202,12 @@ CASES: dict[str, Case] = {
         "gate has 5 token rows for a stream of 1 (needs one, or one a token)",
         ValueError,
     ),
+    "per-token rows past D 6144": Case(  # kRowMod is built for D up to 6144 (no model is wider)
+        "gated2",
+        lambda: inputs("gated2", dim=8192, gate=zeros(B, T, 8192)),
+        "gate has a row per token, which the kernel takes for D up to 6144, got 8192",
+        ValueError,
+    ),
     "FLUX.3 gate of another batch": Case(
         "defer2",
         lambda: inputs("defer2", gate=zeros(B + 1, T, 3 * D)[..., 2 * D :]),
@@ -629,6 +635,7 @@ def _rows(kind: str) -> tuple[list[Segment], Any, Any, bool]:
     gated, plain = Segment(residual, update, gate), Segment(residual)
     two_term = Segment(residual, update, gate, update2=update)
     per_token = cuda_zeros(B, T, D)
+    wide, wide_mod = Segment(cuda_zeros(B, T, 8192)), cuda_zeros(B, 1, 8192)
     return {
         "three segments": ([gated, gated, gated], scale, shift, True),
         "mixed": ([gated, plain], scale, shift, True),
@@ -649,6 +656,7 @@ def _rows(kind: str) -> tuple[list[Segment], Any, Any, bool]:
         "tuple and tensor": ([gated, gated], (scale, scale), shift, True),
         "tuple too short": ([gated, gated], (scale,), (shift,), True),
         "tuple too long": ([gated], (scale, scale), (shift, shift), True),
+        "per segment past D 6144": ([wide, wide], (wide_mod, wide_mod), (wide_mod, wide_mod), False),
     }[kind]
 
 
@@ -665,6 +673,7 @@ ROWS_CASES = {
     "tuple and tensor": "scale and shift must both be tensors or both be tuples with one tensor per segment",
     "tuple too short": "per-segment scale and shift need one tensor per segment (2), got 1 and 1",
     "tuple too long": "per-segment scale and shift need one tensor per segment (1), got 2 and 2",
+    "per segment past D 6144": "a modulation per segment takes D up to 6144, got 8192",
 }
 
 

@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from flux2_fused.ops.gated_resnorm import MAX_DIM
+from flux2_fused.ops.gated_resnorm import MAX_DIM, ROW_MOD_MAX_DIM
 
 from ..conftest import as_cuda, misaligned
 from .conftest import GUARDS, check_guard
@@ -163,8 +163,9 @@ def reproduces_eager(streams: list[Any], mods: list[Any]) -> bool:
     (else it would promote), no autograd graph wanted, and modulation rows that leave the stream's
     shape as it is - padded to 3-D as eager aligns trailing axes, [R, S, D] with R one or the batch
     and S one (broadcast over tokens) or the tokens (one row a token).
-    aten's vectorized LayerNorm and the kernel: 0 < D <= MAX_DIM, D % 4 == 0. The kernel's reads:
-    every row has unit stride and starts 8-byte aligned.
+    aten's vectorized LayerNorm and the kernel: 0 < D <= MAX_DIM, D % 4 == 0, and D up to
+    ROW_MOD_MAX_DIM where a modulation has a row a token (the instantiations built). The kernel's
+    reads: every row has unit stride and starts 8-byte aligned.
     """
     tensors = streams + mods
     if not all(isinstance(t, torch.Tensor) for t in tensors):
@@ -187,6 +188,8 @@ def reproduces_eager(streams: list[Any], mods: list[Any]) -> bool:
             return False
         rows, per_token, channels = (1,) * (3 - m.dim()) + tuple(m.shape)
         if per_token not in (1, tokens) or channels != dim or rows not in (1, batch):
+            return False
+        if per_token > 1 and dim > ROW_MOD_MAX_DIM:
             return False
     return all(t.stride(-1) == 1 and all(p % 8 == 0 for p in row_pointers(t)) for t in tensors)
 
@@ -235,7 +238,8 @@ def flux_sites(draw: st.DrawFn) -> tuple[tuple[Any, ...], bool]:
             spec = dataclasses.replace(spec, requires_grad=True)
         elif change == "garbage":
             spec = draw(GARBAGE)
-        canonical = canonical and change is None
+        per_token = name not in STREAMS and len(shape) >= 2 and shape[-2] == tokens > 1
+        canonical = canonical and change is None and not (per_token and dim > ROW_MOD_MAX_DIM)
         args.append(spec)
     return tuple(args), canonical
 

@@ -111,12 +111,18 @@ void launch_terms(const Params<T>& p, int terms, cudaStream_t stream) {
   return launch_kernel<T, kVecs, 2, kRowMod>(p, stream);
 }
 
+// Per-token and per-segment modulation (kRowMod) is built for D up to 6144 (FLUX.3's 3072 and the
+// widths of its larger siblings), where FLUX.1/FLUX.2's rows go up to 16384: the wider instantiations
+// would be the largest kernels of the module, for no model.
+constexpr int kRowModMaxVecs = 12;
+
 template <typename T, int kVecs>
 void launch_vecs(const Params<T>& p, int terms, bool row_mod, cudaStream_t stream) {
-  if (row_mod) {
+  if (!row_mod) return launch_terms<T, kVecs, false>(p, terms, stream);
+  if constexpr (kVecs <= kRowModMaxVecs) {
     launch_terms<T, kVecs, true>(p, terms, stream);
   } else {
-    launch_terms<T, kVecs, false>(p, terms, stream);
+    TVM_FFI_THROW(ValueError) << "modulation rows per token or per segment take D up to " << 4 * kThreads * kRowModMaxVecs;
   }
 }
 

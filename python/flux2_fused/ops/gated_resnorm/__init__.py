@@ -53,7 +53,7 @@ from .guards import (
 )
 from .launch import KERNEL, NO_WORDS, Words, launch, launch_quantized
 from .reference import ModulationRows, Segment
-from .selfcheck import OP, Config, self_check
+from .selfcheck import OP, ROW_MOD_MAX_DIM, Config, self_check
 
 Result = tuple[torch.Tensor, torch.Tensor | None]
 Modulation = reference.Modulation  # one tensor for all rows, or a tuple with one per segment
@@ -92,6 +92,8 @@ def _rows_reason(
             # With a modulation each, no other check ties the segments together; eager's cat would
             # promote mixed dtypes, and the kernel reads both as the first's.
             return "the two segments differ in hidden size or dtype"
+        if per_segment and shape[2] > ROW_MOD_MAX_DIM:
+            return f"a modulation per segment takes D up to {ROW_MOD_MAX_DIM}, got {shape[2]}"
         if shape[1] == other[1] and not per_segment:
             # Eager modulates the concat, so per-token rows shared by the segments are rows of the
             # concat. Each segment's guard checks the modulation against its own rows, which declines
@@ -393,6 +395,7 @@ __all__ = [
     "KERNEL",
     "MAX_DIM",
     "OP",
+    "ROW_MOD_MAX_DIM",
     "SUPPORTED_DTYPES",
     "Config",
     "Modulation",

@@ -2,10 +2,11 @@
 
 The kernel reproduces eager for [B, T, D] / [T, D] streams whose rows are dense (any batch stride),
 modulation rows as eager broadcasts them over the stream: one row for all tokens ([D], [1, D],
-[B|1, 1, D]: FLUX.1/FLUX.2) or one per token ([T, D], [B|1, T, D]: FLUX.3), unit inner stride and
-batch and row strides that are multiples of 4 elements; one 16-bit float dtype on one CUDA device,
-D a positive multiple of 4 up to MAX_DIM, 8-byte-aligned data, no autograd. Everything else
-declines: the caller then runs the eager chain (`reference.py`).
+[B|1, 1, D]: FLUX.1/FLUX.2) or one per token ([T, D], [B|1, T, D]: FLUX.3; D up to
+ROW_MOD_MAX_DIM, the widths built), unit inner stride and batch and row strides that are multiples
+of 4 elements; one 16-bit float dtype on one CUDA device, D a positive multiple of 4 up to MAX_DIM,
+8-byte-aligned data, no autograd. Everything else declines: the caller then runs the eager chain
+(`reference.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from .. import runtime
 from ..verdicts import Guard, Reason, TypeReason
 from .reference import Modulation, Segment
-from .selfcheck import OP, QUANTIZED_DIMS, Config
+from .selfcheck import OP, QUANTIZED_DIMS, ROW_MOD_MAX_DIM, Config
 
 SUPPORTED_DTYPES = runtime.SUPPORTED_DTYPES
 MAX_DIM = 16384  # the kernel's largest instantiation: 32 vectors of 4 per thread, 128 threads
@@ -57,6 +58,8 @@ def _modulation_reason(name: str, t: Any, batch: int, tokens: int, dim: int) -> 
         return f"{name} has {shape[-1]} channels, residual has {dim}"
     if per_token not in (1, tokens):
         return f"{name} has {per_token} token rows for a stream of {tokens} (needs one, or one a token)"
+    if per_token > 1 and dim > ROW_MOD_MAX_DIM:
+        return f"{name} has a row per token, which the kernel takes for D up to {ROW_MOD_MAX_DIM}, got {dim}"
     if rows not in (1, batch):
         return f"{name} batch {shape[0]} does not match the stream batch {batch}"
     if t.stride(-1) != 1:

@@ -153,7 +153,9 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
         ),
     }
     full: dict[str, Case] = {
-        name: case if len(case) == 4 else (*case, NO_WORDS) for name, case in cases.items()
+        name: case if len(case) == 4 else (*case, NO_WORDS)
+        for name, case in cases.items()
+        if dim <= ROW_MOD_MAX_DIM or not rows_per_token(*case[:3])
     }
     if config.quantized:
         return _check_quantized(device, full, (batch, tokens, dim, dtype))
@@ -216,6 +218,20 @@ def _check_quantized(device: torch.device, cases: dict[str, Case], shape: tuple)
 VERIFY_DIMS = (3072, 4096, 6144, 8192, 16384, 4100)  # 4100 % 512 == 4: a partial last pass of the row
 # The quantizing form's hidden sizes (FLUX.1's, FLUX.2's and FLUX.3's): one instantiation each.
 QUANTIZED_DIMS = (3072, 4096, 6144)
+# Modulation rows per token or per segment (FLUX.3's) are built for D up to this (kRowModMaxVecs).
+ROW_MOD_MAX_DIM = 6144
+
+
+def rows_per_token(rows: list[Segment], scale: Modulation, shift: Modulation) -> bool:
+    """Whether a launch reads modulation rows per token or per segment (the kernel's kRowMod)."""
+    gates = [segment.gate for segment in rows if segment.gate is not None]
+    if type(scale) is tuple and len(rows) == 2:
+        return True
+    return any(
+        isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] != 1 for t in (scale, shift, *gates)
+    )
+
+
 OP = FusedOp(
     name="gated_resnorm",
     spec=SPEC,
