@@ -64,6 +64,19 @@ def test_a_proof_does_not_speak_for_other_memory() -> None:
     assert proof.word("gate") is None  # type: ignore[arg-type]
 
 
+def test_a_proof_of_a_slice_and_of_one_row_a_batch() -> None:
+    """A source that starts inside a larger storage (its token range); a [B, 1, W] source, whose row
+    stride may be anything (no word, and no error)."""
+    storage = _uniform(batch=1, rows=9, width=24)
+    source = storage[:, 3:]
+    proof = UniformRows(source, reference.differs(source))
+    assert proof.word(source.chunk(3, dim=-1)[1]) is proof.differs
+    assert proof.word(storage[:, :3]) is None  # rows before the source's
+    one_row = torch.randn(2, 24).to(torch.bfloat16).as_strided((2, 1, 24), (24, 0, 1))
+    assert one_row.is_contiguous()
+    assert UniformRows(one_row, reference.differs(one_row)).word(one_row) is None
+
+
 def test_a_proof_stops_at_an_in_place_change_or_a_revocation() -> None:
     mod = _uniform(width=24)
     proof = UniformRows(mod, reference.differs(mod))

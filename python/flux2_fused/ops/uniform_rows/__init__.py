@@ -53,7 +53,10 @@ class UniformRows:
         None otherwise (the kernel then reads every token's own row)."""
         if self.revoked:
             return None
-        return self.differs if all(self._covers(view) for view in views) else None
+        try:
+            return self.differs if all(self._covers(view) for view in views) else None
+        except Exception:  # whatever a view is, a question about it never fails a generation
+            return None
 
     def _covers(self, view: torch.Tensor) -> bool:
         source = self.source
@@ -66,6 +69,8 @@ class UniformRows:
         if view.shape[:-2] != source.shape[:-2]:
             return False
         if self.version is not None and view._version != self.version:
+            return False
+        if source.stride(-2) <= 0:  # one row a batch (a contiguous [B, 1, W] may have any row stride)
             return False
         first_row, column = divmod(view.storage_offset() - source.storage_offset(), source.stride(-2))
         rows, width = source.shape[-2:]
