@@ -228,3 +228,27 @@ def test_a_hook_that_changes_the_modulation_revokes_its_proof(
     # The text stack proven throughout (its first norm one word, later ones two); the image stack's
     # proof revoked at its first block, which runs the block code under the hook without it.
     assert uniform_rows_on_cpu[: 2 * layers] == [1] + [2] * (layers - 1) + [0] * layers
+
+
+def test_outside_inference_mode_an_in_place_change_ends_the_proof_by_itself(
+    uniform_rows_on_cpu: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under no_grad torch counts versions: the same in-place change from a hook ends the stack's
+    proof with the revocation switched off, and the output stays diffusers'."""
+    dtype = torch.bfloat16
+    model = support.transformer(dtype=dtype)
+
+    def change(module: torch.nn.Module, args: tuple) -> None:
+        args[1][:, -1] += 1
+
+    model.mode_blocks["image"][0].register_forward_pre_hook(change)
+    monkeypatch.setattr(support.FAMILY, "_revoke", lambda *proofs: None)
+    inputs = support.step_inputs(dtype=dtype)
+    with torch.no_grad(), attention_backend("native"):
+        expected = model(**inputs).sample
+        handle = enable(model)
+        patched = model(**inputs).sample
+        handle.disable()
+    assert torch.equal(patched, expected)
+    layers = support.TINY["num_layers"]
+    assert uniform_rows_on_cpu[: 2 * layers] == [1] + [2] * (layers - 1) + [0] * layers

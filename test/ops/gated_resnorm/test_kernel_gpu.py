@@ -790,6 +790,16 @@ def test_proven_rows_read_one_row_a_batch(tokens, batch, dtype, gen):
         if torch.cuda.get_device_capability() >= (8, 9):
             q = op.quantized(rows, sc, sh, 1e-6, write_residual=True, mod_rows=mod_rows)
             assert q is not None and _same_float8(q[:2], _float8_of(ref_out)), name
+    # Rows that differ in one bit of one token: the check's word is 1, every token's own row is read.
+    changed = mod.clone()
+    changed.view(torch.int16)[-1, tokens - 1, 5] ^= 1
+    ch_shift, ch_scale, ch_gate = changed.chunk(3, dim=-1)
+    differs = uniform_rows.check(changed)
+    assert differs is not None and differs.differs.tolist() == [int(tokens > 1)]
+    rows = [Segment(x, u, ch_gate, "kernel", update2=v, gate_rows=differs)]
+    out, stream = op.fused(rows, ch_scale, ch_shift, 1e-6, write_residual=True, mod_rows=differs)
+    ref_out, ref_stream = op.reference.segments(rows, ch_scale, ch_shift, 1e-6)
+    assert bits_equal(out, ref_out) and bits_equal(stream, ref_stream)
     # A word of 0 for rows that differ: the kernel reads the first row of each batch.
     per_token = _rows(batch, tokens, 3 * dim, dtype, gen)
     p_shift, p_scale, p_gate = per_token.chunk(3, dim=-1)
