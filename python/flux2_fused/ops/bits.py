@@ -9,6 +9,11 @@ import torch
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bit patterns: a view of it as the integer dtype of its element size."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit equality that allows NaN payloads to differ but not NaN positions (`torch.equal` treats
     every NaN as unequal, and eager's NaN payloads are not part of the contract)."""
@@ -17,8 +22,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     a_nan, b_nan = a.isnan(), b.isnan()
     if not torch.equal(a_nan, b_nan):
         return False
-    bits = _INT_OF_SIZE[a.element_size()]
-    return torch.equal(a.view(bits)[~a_nan], b.view(bits)[~b_nan])
+    return torch.equal(as_bits(a)[~a_nan], as_bits(b)[~b_nan])
 
 
 def random_bits(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flux2_fused.ops import uniform_rows
+from flux2_fused.ops.bits import as_bits
 from flux2_fused.ops.uniform_rows import UniformRows, reference
 from flux2_fused.ops.verdicts import TypeReason
 
@@ -29,7 +30,7 @@ def test_the_predicate_compares_bits(dtype: torch.dtype) -> None:
     assert reference.differs(x).tolist() == [0]
     assert reference.differs(x[0]).tolist() == [0]  # [S, W]
     flipped = x.clone()
-    flipped.view(reference.BITS[dtype])[1, 4, 23] ^= 1
+    as_bits(flipped)[1, 4, 23] ^= 1
     assert reference.differs(flipped).tolist() == [1]
     signed = torch.zeros(1, 3, 8, dtype=dtype)
     signed[0, 2, 0] = -0.0

@@ -105,10 +105,9 @@ def _rows_reason(
 
 
 def _word(proof: UniformRows | None, *views: torch.Tensor | None) -> torch.Tensor | None:
-    """The proof's word for these views, None without a proof or where it does not cover them."""
-    if proof is None or any(view is None for view in views):
-        return None
-    return proof.word(*views)
+    """The proof's word for these views, None without a proof or where it does not cover them (a
+    missing view included)."""
+    return None if proof is None else proof.word(*views)
 
 
 def _words(rows: Sequence[Segment], scale: Modulation, shift: Modulation, mod_rows: ModulationRows) -> Words:

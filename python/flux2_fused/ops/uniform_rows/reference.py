@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import torch
 
-# The integer dtype of each float's bits.
-BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+from ..bits import as_bits
 
 
 def differs(x: torch.Tensor) -> torch.Tensor:
     """One int32 word on x's device: 1 where a row of x differs from its batch's first, else 0."""
-    bits = x.view(BITS[x.dtype])
+    bits = as_bits(x)
     rows = bits if bits.dim() == 3 else bits.unsqueeze(0)
     return (rows != rows[:, :1]).any().to(torch.int32).reshape(1)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..bits import as_bits
 from ..runtime import SUPPORTED_DTYPES, FusedOp
 from . import reference
 from .launch import SPEC, launch
@@ -33,8 +34,7 @@ class Config:
 def _flipped(x: torch.Tensor, batch: int, row: int, col: int) -> torch.Tensor:
     """x with one bit of one element flipped (the lowest of its significand)."""
     y = x.clone()
-    bits = y.view(reference.BITS[y.dtype])
-    bits[batch, row, col] ^= 1
+    as_bits(y)[batch, row, col] ^= 1
     return y
 
 
@@ -58,7 +58,7 @@ def self_check(device: torch.device, config: Config) -> tuple[bool, str]:
     nans = uniform(width)
     nans[:, :, 3] = float("nan")
     other_nan = nans.clone()
-    other_nan.view(reference.BITS[config.dtype])[0, 9, 3] ^= 1  # still a NaN, another payload
+    as_bits(other_nan)[0, 9, 3] ^= 1  # still a NaN, another payload
     crossed = x.clone()
     crossed[1, 1:] = x[0, 0]  # batch 1's rows equal batch 0's first row, not its own
     wide = uniform(3 * width)
