@@ -809,3 +809,117 @@ def test_proven_rows_read_one_row_a_batch(tokens, batch, dtype, gen):
     firsts = [Segment(x, u, p_gate[:, :1], update2=v)], p_scale[:, :1], p_shift[:, :1]
     ref_out, ref_stream = op.reference.segments(*firsts, 1e-6)
     assert bits_equal(out, ref_out) and bits_equal(stream, ref_stream)
+
+
+def _uniform(batch: int, tokens: int, width: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """FLUX.3's modulation as the model makes it: one random row a batch, in every token's row."""
+    return _rows(batch, 1, width, dtype, gen).expand(batch, tokens, width).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_words_of_one_at_every_site_shared_rows_and_broadcast_batches(dtype, gen):
+    """A real word of 1 (one bit of the last token's row changed) at every site reads every token's
+    own rows; two segments of equal length sharing one per-token modulation (given once a segment)
+    with a word of 0 or 1; a [1, T, 3D] modulation over a batch-2 stream
+    (batch stride 0), with a word of 0 or 1. Each output is eager's on the rows as they are."""
+    from flux2_fused.ops import uniform_rows
+
+    dim, tokens, text = 3072, 259, 77
+
+    def sites(mod: torch.Tensor, c_mod: torch.Tensor, batch: int):
+        (shift, scale, gate), (c_shift, c_scale, c_gate) = mod.chunk(3, dim=-1), c_mod.chunk(3, dim=-1)
+        proof, c_proof = uniform_rows.check(mod), uniform_rows.check(c_mod)
+        assert proof is not None and c_proof is not None
+        x, u, v = (_rows(batch, tokens, dim, dtype, gen) for _ in range(3))
+        c, cu, cv = (_rows(batch, text, dim, dtype, gen) for _ in range(3))
+        pending = Segment(x, u, gate, "kernel", update2=v, gate_rows=proof)
+        twin = [Segment(c, cu, c_gate, "kernel", update2=cv, gate_rows=c_proof), pending]
+        return (
+            proof,
+            c_proof,
+            {
+                "mode block": ([pending], scale, shift, proof),
+                "input rows": ([Segment(x)], scale, shift, proof),
+                "twin norms": (twin, (c_scale, scale), (c_shift, shift), (c_proof, proof)),
+            },
+        )
+
+    def check_sites(named) -> None:
+        for name, (rows, sc, sh, mod_rows) in named.items():
+            ref_out, ref_stream = op.reference.segments(rows, sc, sh, 1e-6)
+            result = op.fused(rows, sc, sh, 1e-6, write_residual=True, mod_rows=mod_rows)
+            assert result is not None, name
+            assert bits_equal(result[0], ref_out) and bits_equal(result[1], ref_stream), name
+
+    for batch, mod_batch in ((2, 2), (2, 1), (1, 1)):
+        mod = _uniform(mod_batch, tokens, 3 * dim, dtype, gen)
+        c_mod = _uniform(mod_batch, text, 3 * dim, dtype, gen)
+        proof, c_proof, named = sites(mod, c_mod, batch)
+        assert proof.differs.tolist() == [0] and c_proof.differs.tolist() == [0]
+        check_sites(named)
+        for changed in (mod, c_mod):  # one bit of the last token's row: a real word of 1
+            changed.view(torch.int16)[-1, -1, 7] ^= 1
+        proof, c_proof, named = sites(mod, c_mod, batch)
+        assert proof.differs.tolist() == [1] and c_proof.differs.tolist() == [1]
+        check_sites(named)
+
+    # Two segments of equal length sharing one per-token modulation, given once a segment.
+    batch, half = 2, 131
+    mod = _uniform(batch, half, 3 * dim, dtype, gen)
+    for flip in (False, True):
+        if flip:
+            mod.view(torch.int16)[0, half - 2, 2 * dim + 1] ^= 1  # one gate bit, one scale bit
+            mod.view(torch.int16)[1, 5, dim + 3] ^= 1
+        shift, scale, gate = mod.chunk(3, dim=-1)
+        proof = uniform_rows.check(mod)
+        assert proof is not None and proof.differs.tolist() == [int(flip)]
+        rows = [
+            Segment(*(_rows(batch, half, dim, dtype, gen) for _ in range(2)), gate, "kernel", gate_rows=proof)
+            for _ in range(2)
+        ]
+        ref_out, ref_stream = op.reference.segments(rows, (scale, scale), (shift, shift), 1e-6)
+        result = op.fused(
+            rows, (scale, scale), (shift, shift), 1e-6, write_residual=True, mod_rows=(proof, proof)
+        )
+        assert result is not None, f"shared rows, flip={flip}"
+        assert bits_equal(result[0], ref_out) and bits_equal(result[1], ref_stream), (
+            f"shared rows, flip={flip}"
+        )
+
+
+def test_a_graph_replayed_after_the_rows_change_reads_them(gen):
+    """The check and the kernel captured in one CUDA graph: the word is made at every replay, so
+    rows changed in place between replays (one token's, then all equal again) give eager's output
+    on the rows as they are at that replay."""
+    from flux2_fused.ops import uniform_rows
+
+    batch, tokens, dim, dtype = 2, 512, 3072, torch.bfloat16
+    mod = _uniform(batch, tokens, 3 * dim, dtype, gen)
+    uniform, changed = mod.clone(), mod.clone()
+    changed.view(torch.int16)[1, tokens // 2, dim + 11] ^= 1  # one scale bit of one token
+    x, u, v = (_rows(batch, tokens, dim, dtype, gen) for _ in range(3))
+    shift, scale, gate = mod.chunk(3, dim=-1)
+
+    def site() -> tuple[torch.Tensor, torch.Tensor]:
+        proof = uniform_rows.check(mod)
+        assert proof is not None
+        rows = [Segment(x, u, gate, "kernel", update2=v, gate_rows=proof)]
+        result = op.fused(rows, scale, shift, 1e-6, write_residual=True, mod_rows=proof)
+        assert result is not None and result[1] is not None
+        return result[0], result[1]
+
+    site()  # builds and self-checks outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        site()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, res = site()
+    for rows_now in (changed, uniform, changed):
+        mod.copy_(rows_now)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = op.reference.segments([Segment(x, u, gate, update2=v)], scale, shift, 1e-6)
+        assert bits_equal(out, expected[0]) and bits_equal(res, expected[1])
