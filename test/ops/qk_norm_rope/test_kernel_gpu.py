@@ -169,6 +169,31 @@ def test_follows_current_stream_and_graph_capture(upcast, gen):
     _assert_equal(g_out, expected)
 
 
+@pytest.mark.parametrize(
+    "mode",
+    [{}, {"upcast": True}, {"rotation": "addcmul"}, {"rotation": "complex", "norm": "mean"}],
+    ids=["aten", "upcast", "addcmul", "complex"],
+)
+def test_a_token_split_over_blocks_is_eager(mode, gen):
+    """A token's row pairs dealt to the warps of one to sixteen blocks (and of the kernel's own
+    choice, which splits a grid too small to fill the GPU): the same bits, with v and two segments,
+    with heads odd (a pair's second half past the end), at batch 2; a split past the entry's limit
+    is refused before anything launches."""
+    from flux2_fused.ops.qk_norm_rope.launch import launch
+
+    for heads, with_v in ((25, True), (24, False), (3, True)):
+        q, k, v = _double_block((37, 90), heads, 2, torch.bfloat16, gen)
+        if mode.get("upcast"):
+            q, k = ([Segment(s.x, _fp32_weight(gen)) for s in rows] for rows in (q, k))
+        v = v if with_v else None
+        cos, sin = rope_tables(127, torch.device("cuda"), gen)
+        expected = reference.prologue(q, k, cos, sin, 1e-6, v, **mode)
+        for parts in (0, 1, 2, 3, 5, 16):
+            _assert_equal(launch(q, k, cos, sin, 1e-6, v, parts=parts, **mode), expected)
+    with pytest.raises(Exception, match="parts"):
+        launch(q, k, cos, sin, 1e-6, v, parts=17, **mode)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_tensors_on_a_device_other_than_the_current_one():
     other = torch.device("cuda", 1)

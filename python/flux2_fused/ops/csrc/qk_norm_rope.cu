@@ -64,7 +64,7 @@ template <typename T, bool kUpcast, int kRotation, int kNorm>
 void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorView q0, TensorView k0,
          Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
          Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1, Optional<TensorView> wk1,
-         TensorView cos, TensorView sin, double eps) {
+         TensorView cos, TensorView sin, double eps, int64_t parts) {
   const DLDevice dev = q_out.device();
   check_out(q_out, q_out, dev);
   check_out(k_out, q_out, dev);
@@ -127,9 +127,17 @@ void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorV
   const int64_t blocks = batch * tokens;
   if (blocks == 0 || heads == 0) return;
   TVM_FFI_ICHECK(blocks < (int64_t{1} << 31)) << "too many tokens for one launch";
+  TVM_FFI_ICHECK(parts >= 0 && parts <= kMaxParts) << "parts must be 0 (chosen here) to " << kMaxParts;
   tvm::ffi::CUDADeviceGuard device_guard(dev.device_id);
+  if (parts == 0) {
+    int sms = 0;
+    const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device_id);
+    TVM_FFI_ICHECK(err == cudaSuccess) << "qk_norm_rope: " << cudaGetErrorString(err);
+    parts = parts_for(blocks, p.tensors * ((p.heads + 1) / 2), sms * kMinBlocks);
+  }
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
-  qk_norm_rope_kernel<T, kUpcast, kRotation, kNorm><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(parts));
+  qk_norm_rope_kernel<T, kUpcast, kRotation, kNorm><<<grid, kThreads, 0, stream>>>(p);
   const cudaError_t err = cudaGetLastError();
   TVM_FFI_ICHECK(err == cudaSuccess) << "qk_norm_rope launch failed: " << cudaGetErrorString(err);
 }
@@ -139,7 +147,7 @@ void run_mode(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, Te
               Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
               Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1,
               Optional<TensorView> wk1, TensorView cos, TensorView sin, double eps, bool upcast,
-              int64_t rotation, int64_t norm) {
+              int64_t rotation, int64_t norm, int64_t parts) {
   TVM_FFI_ICHECK(rotation >= kAten && rotation <= kComplex && (norm == kFusedNorm || norm == kMeanNorm) &&
                  (!upcast || (rotation == kAten && norm == kFusedNorm)) &&
                  ((norm == kMeanNorm) == (rotation == kComplex)))
@@ -147,36 +155,37 @@ void run_mode(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, Te
          "rotation 3 with norm 1";
   if (upcast) {
     run<T, true, kAten, kFusedNorm>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin,
-                                    eps);
+                                    eps, parts);
   } else if (rotation == kAten) {
     run<T, false, kAten, kFusedNorm>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin,
-                                     eps);
+                                     eps, parts);
   } else if (rotation == kAddcmul) {
     run<T, false, kAddcmul, kFusedNorm>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos,
-                                        sin, eps);
+                                        sin, eps, parts);
   } else if (rotation == kKitchen) {
     run<T, false, kKitchen, kFusedNorm>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos,
-                                        sin, eps);
+                                        sin, eps, parts);
   } else {
     run<T, false, kComplex, kMeanNorm>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos,
-                                       sin, eps);
+                                       sin, eps, parts);
   }
 }
 
 // Outputs first (v's absent in a single block), then segment 0's q, k, v and weights, segment 1's
-// (absent with one segment), the tables, eps, the mode, the rotation and the norm.
+// (absent with one segment), the tables, eps, the mode, the rotation, the norm, and the blocks a token
+// (0: chosen here from the grid's size and the device's SMs).
 void qk_norm_rope(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorView q0, TensorView k0,
                   Optional<TensorView> v0, TensorView wq0, TensorView wk0, Optional<TensorView> q1,
                   Optional<TensorView> k1, Optional<TensorView> v1, Optional<TensorView> wq1,
                   Optional<TensorView> wk1, TensorView cos, TensorView sin, double eps, bool upcast,
-                  int64_t rotation, int64_t norm) {
+                  int64_t rotation, int64_t norm, int64_t parts) {
   const DLDataType dt = q_out.dtype();
   if (dt.code == kDLBfloat && dt.bits == 16) {
     run_mode<__nv_bfloat16>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps,
-                            upcast, rotation, norm);
+                            upcast, rotation, norm, parts);
   } else if (dt.code == kDLFloat && dt.bits == 16) {
     run_mode<__half>(q_out, k_out, v_out, q0, k0, v0, wq0, wk0, q1, k1, v1, wq1, wk1, cos, sin, eps, upcast,
-                     rotation, norm);
+                     rotation, norm, parts);
   } else {
     TVM_FFI_THROW(TypeError) << "qk_norm_rope supports bfloat16 and float16 only";
   }

@@ -47,10 +47,11 @@
 // shuffle a cycle, a quarter of the rate of the float adds around it. The unit of work of a warp is
 // a pair of head rows of one tensor (its halves take heads 2i and 2i+1), so which tensor a warp works
 // on, and whether it runs the norm's shuffles, is uniform across the warp; the token's units (q's
-// pairs, then k's, then v's) are dealt to the two warps in turn, kRowsInFlight of them a round, the
-// next round loaded while one is computed. Each output is a contiguous [B, S, H, 128] tensor; its
-// rows come from up to two input segments (text, then image rows of a double block), each with its
-// own strides and (q, k) RMSNorm weight.
+// pairs, then k's, then v's) are dealt to the token's warps in turn (its block's two, or those of
+// the few blocks it takes where a grid of one block a token would not fill the GPU: `parts_for`),
+// kRowsInFlight of them a round, the next round loaded while one is computed. Each output is a
+// contiguous [B, S, H, 128] tensor; its rows come from up to two input segments (text, then image
+// rows of a double block), each with its own strides and (q, k) RMSNorm weight.
 #pragma once
 
 #include <type_traits>
@@ -81,6 +82,7 @@ constexpr int kRowsInFlight = 4;  // units (row pairs) a warp loads in one round
 // a kernel that is 60% issue-busy, and each new token waits on its tables (docs/measurements.md).
 constexpr int kMinBlocks = 10;
 constexpr int kTensors = 3;       // q, k, v
+constexpr int kMaxParts = 16;     // blocks a token at most (the launch's `parts`)
 
 // A host's RoPE arithmetic (see the header comment); the Python layer names them "aten", "addcmul"
 // and "kitchen".
@@ -118,6 +120,19 @@ struct Params {
   int32_t tensors;           // 2: q and k; 3: v's rows copied too
   float eps;
 };
+
+// A token's units are dealt to the warps of `parts` blocks (the grid's y: part blockIdx.y): one
+// block a token where the grid fills a wave of resident blocks, as many as a wave holds (up to one
+// round a warp) where it would not. On the H200 (FLUX.3's fp32 prologue, 24 heads, CUDA-graph
+// medians): 512 tokens 7.06 us in one block a token, 6.50 in two, 7.28 in three; 1024 tokens (a
+// wave and a fraction in two) 9.42 us in one, 10.73 in two: a block past the wave repeats the
+// token's fixed work (its index, tables and weights) without hiding more of the loads' latency.
+// Each unit's arithmetic is the same wherever it runs.
+inline int parts_for(int64_t blocks, int units, int resident) {
+  const int rounds = (units + kWarps * kRowsInFlight - 1) / (kWarps * kRowsInFlight);
+  const int64_t fit = resident / blocks;  // grids of this size a wave of resident blocks holds
+  return fit <= 1 ? 1 : static_cast<int>(fit < rounds ? fit : rounds);
+}
 
 template <typename T>
 __device__ __forceinline__ Oct<T> load_oct(const T* p) {
@@ -175,7 +190,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x & 15;            // lane within the half-warp: elements 8 lane .. + 7
   const int odd = (threadIdx.x >> 4) & 1;       // which half of its warp: head 2i + odd of a pair
-  const int warp = threadIdx.x >> 5;
+  // This warp's place among the token's dealers: warp w of part y deals units w + kWarps y, then
+  // every dealers-th after.
+  const int dealer = (threadIdx.x >> 5) + kWarps * int(blockIdx.y);
+  const int dealers = kWarps * int(gridDim.y);
   const int64_t token_index = blockIdx.x;       // b * S + s
   const int64_t b = token_index / p.tokens;
   const int64_t s = token_index - b * p.tokens;
@@ -208,11 +226,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
   // tensor's last pair is one head past the end: it runs the shuffles on zeros and stores nothing.
   const int pairs = (p.heads + 1) >> 1;
   const int units = p.tensors * pairs;
-  // Round `first` (a warp's units first, first + 2, ...) into xs: each lane's 16 bytes of its head.
+  // Round `first` (a warp's units first, first + dealers, ...) into xs: each lane's 16 bytes of its head.
   auto load_round = [&](int first, Oct<T>* xs) {
 #pragma unroll
     for (int u = 0; u < kRowsInFlight; ++u) {
-      const int unit = first + kWarps * u;
+      const int unit = first + dealers * u;
       const int t = (unit >= pairs) + (unit >= 2 * pairs);
       const int h = 2 * (unit - t * pairs) + odd;
       if (unit < units && h < p.heads) {
@@ -225,15 +243,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
   };
   // The next round is loaded while this one is computed.
   Oct<T> next[kRowsInFlight];
-  load_round(warp, next);
-  for (int first = warp; first < units; first += kWarps * kRowsInFlight) {
+  load_round(dealer, next);
+  for (int first = dealer; first < units; first += dealers * kRowsInFlight) {
     Oct<T> xs[kRowsInFlight];
 #pragma unroll
     for (int u = 0; u < kRowsInFlight; ++u) xs[u] = next[u];
-    if (first + kWarps * kRowsInFlight < units) load_round(first + kWarps * kRowsInFlight, next);
+    if (first + dealers * kRowsInFlight < units) load_round(first + dealers * kRowsInFlight, next);
 #pragma unroll
     for (int u = 0; u < kRowsInFlight; ++u) {
-      const int unit = first + kWarps * u;
+      const int unit = first + dealers * u;
       if (unit >= units) break;  // uniform across the warp
       const int t = (unit >= pairs) + (unit >= 2 * pairs);
       const int h = 2 * (unit - t * pairs) + odd;

@@ -26,12 +26,14 @@ def launch(
     upcast: bool = False,
     rotation: str = "aten",
     norm: str = "fused",
+    parts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q, k, v) from one launch over one or two segments: each a joint [B, sum S, H, head_dim],
     contiguous (the layout eager's RoPE and concat return, so attention sees the same strides);
     v None when not given. `upcast`: FLUX.3's mode (float32 weights, the norm's output kept in fp32,
     one rounding at the end), else FLUX.2's; `rotation`: the host's RoPE arithmetic
-    (`reference.ROTATIONS`); `norm`: its q/k norm (`reference.NORMS`)."""
+    (`reference.ROTATIONS`); `norm`: its q/k norm (`reference.NORMS`); `parts`: the blocks a token
+    takes (0: the kernel's choice from the grid's size, which tests override to cover each split)."""
     first = q[0].x
     shape = (first.shape[0], sum(segment.x.shape[1] for segment in q), *first.shape[2:])
     q_out, k_out = first.new_empty(shape), first.new_empty(shape)
@@ -44,5 +46,5 @@ def launch(
             inputs += [None] * 5
     module = jit.module_for(SPEC, first.device)
     mode = (bool(upcast), ROTATIONS.index(rotation), NORMS.index(norm))
-    module.qk_norm_rope(q_out, k_out, v_out, *inputs, cos, sin, float(eps), *mode)
+    module.qk_norm_rope(q_out, k_out, v_out, *inputs, cos, sin, float(eps), *mode, int(parts))
     return q_out, k_out, v_out
