@@ -137,15 +137,16 @@ __device__ __forceinline__ Divisor row_divisor(unsigned int m, float* scale) {
 // Two elements of a row on the short path: x / scale correctly rounded by Markstein's correction of
 // x * RN(1 / scale) (exact remainder by FMA, one corrected product) with x's sign put back (a -0
 // quotient comes out of the correction as +0; the scale is positive, so the quotient's sign is x's),
-// clamped, then the hardware's round-to-nearest-even conversion, which equals c10's for finite values
-// within +-448. Byte 0 is a.
+// then the hardware's round-to-nearest-even conversion, which equals c10's for finite values within
+// +-448 and, saturating (satfinite), gives +-448 for the finite quotients past it that eager's clamp
+// brings back to +-448 (within 448 / (1 - 2^-8) here): the clamp is the conversion's own. Byte 0 is a.
 __device__ __forceinline__ unsigned int quantize_pair(float a, float b, const Divisor& d) {
   float v[2] = {a, b};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const float q = __fmul_rn(v[i], d.reciprocal);
     const float rem = __fmaf_rn(-q, d.scale, v[i]);
-    v[i] = fminf(fmaxf(copysignf(__fmaf_rn(rem, d.reciprocal, q), v[i]), -kE4m3Max), kE4m3Max);
+    v[i] = copysignf(__fmaf_rn(rem, d.reciprocal, q), v[i]);
   }
   return __nv_cvt_float2_to_fp8x2(make_float2(v[0], v[1]), __NV_SATFINITE, __NV_E4M3);
 }
