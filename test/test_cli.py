@@ -464,7 +464,8 @@ def test_bench_errors_are_one_line(tmp_path: Path, make_args, code: int, message
         (
             ["kernel", "--op", "rmsnorm"],
             "argument --op: invalid choice: 'rmsnorm' "
-            "(choose from gated_resnorm, qk_norm_rope, sandwich_norm, swiglu, gelu_tanh, float8_quant)",
+            "(choose from gated_resnorm, qk_norm_rope, sandwich_norm, swiglu, gelu_tanh, float8_quant, "
+            "uniform_rows)",
         ),
         (["kernel", "--shapes"], "argument --shapes: expected at least one argument"),
         (["verify", "--all"], "unrecognized arguments: --all"),

@@ -30,6 +30,7 @@ from flux2_fused.errors import BadValue
         ("swiglu", "9216x4096:quant-tensor", (9216, 4096, "quant-tensor")),
         ("swiglu", "9216x4608:single-tensor", (9216, 4608, "single-tensor")),
         ("float8_quant", "3072x4608:tensor", (3072, 4608, "tensor")),
+        ("uniform_rows", "9216x4096", (9216, 4096, "")),
     ],
 )
 def test_each_ops_layouts_parse(op: str, item: str, parsed: tuple[int, int, str]) -> None:
@@ -48,6 +49,7 @@ def test_each_ops_layouts_parse(op: str, item: str, parsed: tuple[int, int, str]
         ("gelu_tanh", "12288x4608:upcast"),
         ("gelu_tanh", "12288x4608:pair"),
         ("sandwich_norm", "3840x4608:twin"),
+        ("uniform_rows", "9216x4096:token"),
     ],
 )
 def test_another_ops_layout_is_refused_naming_the_forms(op: str, item: str) -> None:

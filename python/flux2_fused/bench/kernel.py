@@ -40,6 +40,10 @@ Sites (`--op`), the floors' bytes counted for bf16:
   out; the floor moves 4 bytes an element.
 - float8_quant, shapes KxT (KxT:tensor: one scale for the tensor): torchao's float8 quantization of
   a [B, T, K] Linear input, e4m3fn bytes and a scale a row out; the floor moves 3 bytes an element.
+- uniform_rows, shapes WxT: the check that a [B, T, W] tensor's rows all equal their batch's first
+  (FLUX.3's modulation, W = 3D, made as the model makes it, so every row is read to the end), one
+  word out; eager is the reference's comparison of the bit patterns. The floor moves 2 bytes an
+  element (each row read once: the check writes nothing of its size).
 
 For each shape: the eager chain, the eager chain replayed from a CUDA graph, torch.compile of the
 chain (not bit-exact; for reference), and the fused version, plain and in a CUDA graph. Medians in
@@ -137,6 +141,8 @@ DEFAULT_SHAPES = {
     # klein-4B's Linear inputs at 1024x1024: the hidden rows, the MLP's hidden rows (per row and per
     # tensor).
     "float8_quant": ["3072x4608", "9216x4608", "3072x4608:tensor"],
+    # FLUX.3 [klein] at 1024x1024: the image and text mode stacks' modulation, the joint rows'.
+    "uniform_rows": ["9216x4096", "9216x512", "9216x4608"],
 }
 # What a --shapes item of each op looks like, and the layouts after its colon ("" for none).
 SHAPE_FORMS = {
@@ -151,6 +157,7 @@ SHAPE_FORMS = {
     "single: of [attention | swiglu]; -tensor: with one scale for the tensor)",
     "gelu_tanh": "HxT (hidden x tokens, e.g. 12288x4608)",
     "float8_quant": "KxT or KxT:tensor (row width x rows, e.g. 3072x4608; tensor: one scale)",
+    "uniform_rows": "WxT (row width x rows, e.g. 9216x4096)",
 }
 LAYOUTS = {
     "gated_resnorm": (
@@ -169,6 +176,7 @@ LAYOUTS = {
     "swiglu": ("", "pair", "quant", "single", "quant-tensor", "single-tensor"),
     "gelu_tanh": ("",),
     "float8_quant": ("", "tensor"),
+    "uniform_rows": ("",),
 }
 L2_FLUSH_BYTES = 256 << 20
 GRAPH_REPEATS = 20
@@ -503,6 +511,21 @@ def float8_quant_case(cols: int, tokens: int, batch: int, dtype: torch.dtype, la
     return Case(sets, float8_quant.reference.quantize, float8_quant.float8_quant, floor_bytes, cols, label)
 
 
+def uniform_rows_case(width: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
+    """One modulation check: [B, T, W] rows, each batch's rows its first (the check reads them all)."""
+
+    def make() -> tuple:
+        return (
+            torch.randn(batch, 1, width, device="cuda").to(dtype).expand(batch, tokens, width).contiguous(),
+        )
+
+    floor_bytes = batch * tokens * width * dtype.itemsize
+    sets = _sets(make, floor_bytes)
+    if uniform_rows.decline_reason(*sets[0]) is not None:
+        raise RuntimeError(f"fused path declined W={width} T={tokens}")
+    return Case(sets, uniform_rows.reference.differs, uniform_rows.uniform_rows, floor_bytes, width)
+
+
 CASES = {
     "gated_resnorm": gated_resnorm_case,
     "qk_norm_rope": qk_norm_rope_case,
@@ -510,6 +533,7 @@ CASES = {
     "swiglu": swiglu_case,
     "gelu_tanh": gelu_tanh_case,
     "float8_quant": float8_quant_case,
+    "uniform_rows": uniform_rows_case,
 }
 
 

@@ -234,7 +234,15 @@ OFFLOADS = ("none", "model", "group")
 QUANTIZATIONS = ("none", "float8-row", "float8-tensor", "int8")
 # `flux2-fused kernel`
 # kernel.CASES' names
-KERNEL_OPS = ("gated_resnorm", "qk_norm_rope", "sandwich_norm", "swiglu", "gelu_tanh", "float8_quant")
+KERNEL_OPS = (
+    "gated_resnorm",
+    "qk_norm_rope",
+    "sandwich_norm",
+    "swiglu",
+    "gelu_tanh",
+    "float8_quant",
+    "uniform_rows",
+)
 KERNEL_DTYPES = ("bf16", "fp16")  # kernel.DTYPES' names
 
 
