@@ -260,14 +260,15 @@ def output_norm_plain(host: Host, norm_out: nn.Module) -> bool:
 
 
 def output_norm(
-    norm_out: nn.Module, host: Host, fusion: Fusion, x: Stream, temb: torch.Tensor
+    norm_out: nn.Module, host: Host, fusion: Fusion, x: Stream, temb: torch.Tensor, temb_act: torch.Tensor
 ) -> torch.Tensor:
-    """`Flux3AdaLayerNorm`: its Linear on silu(temb) gives per-token (scale, shift) - scale first -
-    around the LayerNorm of a stream nothing reads afterwards: `norm(x) * (1 + scale) + shift`,
-    the kernel's products in the other order, which IEEE multiplication does not tell apart."""
+    """`Flux3AdaLayerNorm`: its Linear on silu(temb) (`temb_act`, made once for the image
+    modulations too) gives per-token (scale, shift) - scale first - around the LayerNorm of a
+    stream nothing reads afterwards: `norm(x) * (1 + scale) + shift`, the kernel's products in the
+    other order, which IEEE multiplication does not tell apart."""
     if not output_norm_plain(host, norm_out):
         return host.call(norm_out, materialize(x), temb)
-    scale, shift = host.linear(norm_out.linear, F.silu(temb)).chunk(2, dim=-1)
+    scale, shift = host.linear(norm_out.linear, temb_act).chunk(2, dim=-1)
     return fusion.output_norm(x, scale, shift, norm_out.norm.eps)
 
 
@@ -283,10 +284,12 @@ class ModeInputs:
 
 @dataclass(frozen=True)
 class Conditioning:
-    """What the blocks read besides the streams: the image rows' per-token time embedding (the
-    output norm's), and each mode's inputs (reference rows None without reference images)."""
+    """What the blocks read besides the streams: the image rows' per-token time embedding and its
+    silu (the output norm's), and each mode's inputs (reference rows None without reference
+    images)."""
 
     image_temb: torch.Tensor
+    image_act: torch.Tensor
     text: ModeInputs
     image: ModeInputs
     reference: ModeInputs | None
@@ -335,16 +338,20 @@ def conditioning(
         )
         image_temb = image_temb + target_temb
         zero_temb = zero_temb + target_temb
+    # diffusers takes the silu of the expanded rows, for the image modulations and again in the
+    # output norm: an elementwise op, so its rows are the silu of the one row, made once here and
+    # written out contiguous as diffusers' is (the Linears see the same input, in the same layout).
+    image_act = F.silu(image_temb).expand(batch, image_tokens, -1).contiguous()
     image_temb = image_temb.expand(batch, image_tokens, -1)
     zero_temb_act = F.silu(zero_temb)
     text_act = zero_temb_act.expand(batch, encoder_hidden_states.shape[1], -1)
     text = _mode(model, host, "txt", text_act, encoder_hidden_states, txt_ids)
-    image = _mode(model, host, "image", F.silu(image_temb), hidden_states, img_ids)
+    image = _mode(model, host, "image", image_act, hidden_states, img_ids)
     reference = None
     if image_cond_hidden_states is not None:
         cond_act = zero_temb_act.expand(batch, image_cond_hidden_states.shape[1], -1)
         reference = _mode(model, host, "image_cond", cond_act, image_cond_hidden_states, image_cond_ids)
-    return Conditioning(image_temb, text, image, reference)
+    return Conditioning(image_temb, image_act, text, image, reference)
 
 
 def _joint_rope(*modes: ModeInputs) -> Rope:
@@ -384,4 +391,5 @@ def transformer(model: nn.Module, host: Host, fusion: Fusion, cond: Conditioning
     image_tokens = cond.image.x.shape[1]
     if cond.reference is not None:  # the reference rows produce no output
         content = materialize(content)[:, :image_tokens]
-    return host.linear(model.proj_out, output_norm(model.norm_out, host, fusion, content, cond.image_temb))
+    out = output_norm(model.norm_out, host, fusion, content, cond.image_temb, cond.image_act)
+    return host.linear(model.proj_out, out)
