@@ -816,22 +816,37 @@ def _uniform(batch: int, tokens: int, width: int, dtype: torch.dtype, gen: torch
     return _rows(batch, 1, width, dtype, gen).expand(batch, tokens, width).contiguous()
 
 
+def _change(mod: torch.Tensor, batch: int, token: int, *columns: int) -> None:
+    """Make one token's row differ from its batch's first, in these columns (x -> 2x + 1)."""
+    for column in columns:
+        mod[batch, token, column] = mod[batch, token, column] * 2 + 1
+
+
+def _site_outputs(rows, scale, shift) -> tuple[torch.Tensor, torch.Tensor]:
+    return op.reference.segments(rows, scale, shift, 1e-6)
+
+
+def _differ(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return not (bits_equal(a[0], b[0]) and bits_equal(a[1], b[1]))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_words_of_one_at_every_site_shared_rows_and_broadcast_batches(dtype, gen):
-    """A real word of 1 (one bit of the last token's row changed) at every site reads every token's
-    own rows; two segments of equal length sharing one per-token modulation (given once a segment)
-    with a word of 0 or 1; a [1, T, 3D] modulation over a batch-2 stream
-    (batch stride 0), with a word of 0 or 1. Each output is eager's on the rows as they are."""
+    """A real word of 1 (one token's shift, scale and gate changed, in a row of the stream with no
+    planted NaN or Inf, so eager's output shows it) at every site reads every token's own rows; two
+    segments of equal length sharing one per-token modulation (given once a segment) with a word of
+    0 or 1; a [1, T, 3D] modulation over a batch-2 stream (batch stride 0), with a word of 0 or 1.
+    Each output is eager's on the rows as they are, and differs from eager's on the rows before the
+    change (so reading the first row in place of the changed one would fail)."""
     from flux2_fused.ops import uniform_rows
 
-    dim, tokens, text = 3072, 259, 77
+    dim, tokens, text, token = 3072, 259, 77, 6  # token 6: none of _rows' constant, NaN or Inf rows
 
-    def sites(mod: torch.Tensor, c_mod: torch.Tensor, batch: int):
+    def sites(mod: torch.Tensor, c_mod: torch.Tensor, streams):
         (shift, scale, gate), (c_shift, c_scale, c_gate) = mod.chunk(3, dim=-1), c_mod.chunk(3, dim=-1)
         proof, c_proof = uniform_rows.check(mod), uniform_rows.check(c_mod)
         assert proof is not None and c_proof is not None
-        x, u, v = (_rows(batch, tokens, dim, dtype, gen) for _ in range(3))
-        c, cu, cv = (_rows(batch, text, dim, dtype, gen) for _ in range(3))
+        x, u, v, c, cu, cv = streams
         pending = Segment(x, u, gate, "kernel", update2=v, gate_rows=proof)
         twin = [Segment(c, cu, c_gate, "kernel", update2=cv, gate_rows=c_proof), pending]
         return (
@@ -844,59 +859,65 @@ def test_words_of_one_at_every_site_shared_rows_and_broadcast_batches(dtype, gen
             },
         )
 
-    def check_sites(named) -> None:
+    def check_sites(named) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        expected = {}
         for name, (rows, sc, sh, mod_rows) in named.items():
-            ref_out, ref_stream = op.reference.segments(rows, sc, sh, 1e-6)
+            expected[name] = _site_outputs(rows, sc, sh)
             result = op.fused(rows, sc, sh, 1e-6, write_residual=True, mod_rows=mod_rows)
             assert result is not None, name
-            assert bits_equal(result[0], ref_out) and bits_equal(result[1], ref_stream), name
+            assert not _differ(result, expected[name]), name
+        return expected
 
     for batch, mod_batch in ((2, 2), (2, 1), (1, 1)):
+        streams = [_rows(batch, n, dim, dtype, gen) for n in (tokens,) * 3 + (text,) * 3]
         mod = _uniform(mod_batch, tokens, 3 * dim, dtype, gen)
         c_mod = _uniform(mod_batch, text, 3 * dim, dtype, gen)
-        proof, c_proof, named = sites(mod, c_mod, batch)
+        proof, c_proof, named = sites(mod, c_mod, streams)
         assert proof.differs.tolist() == [0] and c_proof.differs.tolist() == [0]
-        check_sites(named)
-        for changed in (mod, c_mod):  # one bit of the last token's row: a real word of 1
-            changed.view(torch.int16)[-1, -1, 7] ^= 1
-        proof, c_proof, named = sites(mod, c_mod, batch)
+        before = check_sites(named)
+        for changed in (mod, c_mod):  # the last batch's token 6: shift, scale and gate
+            _change(changed, -1, token, 7, dim + 7, 2 * dim + 7)
+        proof, c_proof, named = sites(mod, c_mod, streams)
         assert proof.differs.tolist() == [1] and c_proof.differs.tolist() == [1]
-        check_sites(named)
+        after = check_sites(named)
+        for name in named:
+            assert _differ(before[name], after[name]), f"{name}: the change does not show"
 
     # Two segments of equal length sharing one per-token modulation, given once a segment.
     batch, half = 2, 131
     mod = _uniform(batch, half, 3 * dim, dtype, gen)
+    streams = [_rows(batch, half, dim, dtype, gen) for _ in range(4)]
+    outputs = []
     for flip in (False, True):
-        if flip:
-            mod.view(torch.int16)[0, half - 2, 2 * dim + 1] ^= 1  # one gate bit, one scale bit
-            mod.view(torch.int16)[1, 5, dim + 3] ^= 1
+        if flip:  # a gate of batch 0, a scale of batch 1 (tokens 129 and 5: plain rows)
+            _change(mod, 0, half - 2, 2 * dim + 1)
+            _change(mod, 1, 5, dim + 3)
         shift, scale, gate = mod.chunk(3, dim=-1)
         proof = uniform_rows.check(mod)
         assert proof is not None and proof.differs.tolist() == [int(flip)]
         rows = [
-            Segment(*(_rows(batch, half, dim, dtype, gen) for _ in range(2)), gate, "kernel", gate_rows=proof)
-            for _ in range(2)
+            Segment(streams[0], streams[1], gate, "kernel", gate_rows=proof),
+            Segment(streams[2], streams[3], gate, "kernel", gate_rows=proof),
         ]
-        ref_out, ref_stream = op.reference.segments(rows, (scale, scale), (shift, shift), 1e-6)
+        outputs.append(_site_outputs(rows, (scale, scale), (shift, shift)))
         result = op.fused(
             rows, (scale, scale), (shift, shift), 1e-6, write_residual=True, mod_rows=(proof, proof)
         )
         assert result is not None, f"shared rows, flip={flip}"
-        assert bits_equal(result[0], ref_out) and bits_equal(result[1], ref_stream), (
-            f"shared rows, flip={flip}"
-        )
+        assert not _differ(result, outputs[-1]), f"shared rows, flip={flip}"
+    assert _differ(*outputs), "shared rows: the change does not show"
 
 
 def test_a_graph_replayed_after_the_rows_change_reads_them(gen):
     """The check and the kernel captured in one CUDA graph: the word is made at every replay, so
-    rows changed in place between replays (one token's, then all equal again) give eager's output
-    on the rows as they are at that replay."""
+    rows changed in place between replays (one token's scale, then all equal again) give eager's
+    output on the rows as they are at that replay, which the change shows in."""
     from flux2_fused.ops import uniform_rows
 
     batch, tokens, dim, dtype = 2, 512, 3072, torch.bfloat16
     mod = _uniform(batch, tokens, 3 * dim, dtype, gen)
     uniform, changed = mod.clone(), mod.clone()
-    changed.view(torch.int16)[1, tokens // 2, dim + 11] ^= 1  # one scale bit of one token
+    _change(changed, 1, 257, dim + 11)  # one scale of token 257: a plain row of the stream
     x, u, v = (_rows(batch, tokens, dim, dtype, gen) for _ in range(3))
     shift, scale, gate = mod.chunk(3, dim=-1)
 
@@ -917,9 +938,11 @@ def test_a_graph_replayed_after_the_rows_change_reads_them(gen):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, res = site()
+    seen = []
     for rows_now in (changed, uniform, changed):
         mod.copy_(rows_now)
         graph.replay()
         torch.cuda.synchronize()
-        expected = op.reference.segments([Segment(x, u, gate, update2=v)], scale, shift, 1e-6)
-        assert bits_equal(out, expected[0]) and bits_equal(res, expected[1])
+        seen.append(_site_outputs([Segment(x, u, gate, update2=v)], scale, shift))
+        assert not _differ((out, res), seen[-1])
+    assert _differ(seen[0], seen[1]), "the change does not show in eager's output"

@@ -106,7 +106,8 @@ __device__ __forceinline__ uint8_t quantize(float x, float scale) {
 
 // A row's divisor. Where its scale is a normal float in [2^-100, 2^100] (every row whose amax is
 // finite and not tiny), `quantize_pair` may take the short path: every x of the row is finite with
-// |x| <= amax, so each quotient is finite and within +-450 (docs/numerics.md, 15).
+// |x| <= amax, so each quotient is finite, within +-450 where the scale is a normal T and larger
+// where it is an fp16 subnormal, which rounds coarsely (docs/numerics.md, 15).
 struct Divisor {
   float scale;
   float reciprocal;  // RN(1 / scale)
@@ -138,8 +139,8 @@ __device__ __forceinline__ Divisor row_divisor(unsigned int m, float* scale) {
 // x * RN(1 / scale) (exact remainder by FMA, one corrected product) with x's sign put back (a -0
 // quotient comes out of the correction as +0; the scale is positive, so the quotient's sign is x's),
 // then the hardware's round-to-nearest-even conversion, which equals c10's for finite values within
-// +-448 and, saturating (satfinite), gives +-448 for the finite quotients past it that eager's clamp
-// brings back to +-448 (within 448 / (1 - 2^-8) here): the clamp is the conversion's own. Byte 0 is a.
+// +-448 and, saturating (satfinite), gives +-448 for every finite value past it, as eager's clamp
+// then c10's conversion do: the clamp is the conversion's own. Byte 0 is a.
 __device__ __forceinline__ unsigned int quantize_pair(float a, float b, const Divisor& d) {
   float v[2] = {a, b};
 #pragma unroll

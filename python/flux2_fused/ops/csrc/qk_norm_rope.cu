@@ -124,10 +124,10 @@ void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorV
   p.tokens = tokens;
   p.heads = static_cast<int32_t>(heads);
   p.eps = static_cast<float>(eps);
+  TVM_FFI_ICHECK(parts >= 0 && parts <= kMaxParts) << "parts must be 0 (chosen here) to " << kMaxParts;
   const int64_t blocks = batch * tokens;
   if (blocks == 0 || heads == 0) return;
   TVM_FFI_ICHECK(blocks < (int64_t{1} << 31)) << "too many tokens for one launch";
-  TVM_FFI_ICHECK(parts >= 0 && parts <= kMaxParts) << "parts must be 0 (chosen here) to " << kMaxParts;
   tvm::ffi::CUDADeviceGuard device_guard(dev.device_id);
   if (parts == 0) {
     int sms = 0;

@@ -131,7 +131,8 @@ struct Params {
 inline int parts_for(int64_t blocks, int units, int resident) {
   const int rounds = (units + kWarps * kRowsInFlight - 1) / (kWarps * kRowsInFlight);
   const int64_t fit = resident / blocks;  // grids of this size a wave of resident blocks holds
-  return fit <= 1 ? 1 : static_cast<int>(fit < rounds ? fit : rounds);
+  const int64_t parts = fit < rounds ? fit : rounds;
+  return parts <= 1 ? 1 : static_cast<int>(parts < kMaxParts ? parts : kMaxParts);
 }
 
 template <typename T>
