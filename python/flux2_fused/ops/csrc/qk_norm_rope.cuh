@@ -125,7 +125,7 @@ struct Params {
 // block a token where the grid fills a wave of resident blocks, as many as a wave holds (up to one
 // round a warp) where it would not. On the H200 (FLUX.3's fp32 prologue, 24 heads, CUDA-graph
 // medians): 512 tokens 7.06 us in one block a token, 6.50 in two, 7.28 in three; 1024 tokens (a
-// wave and a fraction in two) 9.42 us in one, 10.73 in two: a block past the wave repeats the
+// wave and a fraction in two) 9.52 us in one, 10.75 in two: a block past the wave repeats the
 // token's fixed work (its index, tables and weights) without hiding more of the loads' latency.
 // Each unit's arithmetic is the same wherever it runs.
 inline int parts_for(int64_t blocks, int units, int resident) {
