@@ -822,10 +822,6 @@ def _change(mod: torch.Tensor, batch: int, token: int, *columns: int) -> None:
         mod[batch, token, column] = mod[batch, token, column] * 2 + 1
 
 
-def _site_outputs(rows, scale, shift) -> tuple[torch.Tensor, torch.Tensor]:
-    return op.reference.segments(rows, scale, shift, 1e-6)
-
-
 def _differ(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
     return not (bits_equal(a[0], b[0]) and bits_equal(a[1], b[1]))
 
@@ -862,7 +858,7 @@ def test_words_of_one_at_every_site_shared_rows_and_broadcast_batches(dtype, gen
     def check_sites(named) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         expected = {}
         for name, (rows, sc, sh, mod_rows) in named.items():
-            expected[name] = _site_outputs(rows, sc, sh)
+            expected[name] = op.reference.segments(rows, sc, sh, 1e-6)
             result = op.fused(rows, sc, sh, 1e-6, write_residual=True, mod_rows=mod_rows)
             assert result is not None, name
             assert not _differ(result, expected[name]), name
@@ -899,7 +895,7 @@ def test_words_of_one_at_every_site_shared_rows_and_broadcast_batches(dtype, gen
             Segment(streams[0], streams[1], gate, "kernel", gate_rows=proof),
             Segment(streams[2], streams[3], gate, "kernel", gate_rows=proof),
         ]
-        outputs.append(_site_outputs(rows, (scale, scale), (shift, shift)))
+        outputs.append(op.reference.segments(rows, (scale, scale), (shift, shift), 1e-6))
         result = op.fused(
             rows, (scale, scale), (shift, shift), 1e-6, write_residual=True, mod_rows=(proof, proof)
         )
@@ -943,6 +939,6 @@ def test_a_graph_replayed_after_the_rows_change_reads_them(gen):
         mod.copy_(rows_now)
         graph.replay()
         torch.cuda.synchronize()
-        seen.append(_site_outputs([Segment(x, u, gate, update2=v)], scale, shift))
+        seen.append(op.reference.segments([Segment(x, u, gate, update2=v)], scale, shift, 1e-6))
         assert not _differ((out, res), seen[-1])
     assert _differ(seen[0], seen[1]), "the change does not show in eager's output"
