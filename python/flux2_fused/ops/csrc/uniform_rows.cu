@@ -45,7 +45,7 @@ void uniform_rows(TensorView differs, TensorView x) {
     p.data = reinterpret_cast<const uint4*>(start);
     p.batch_stride = batch_stride * bytes / 16;
     p.row_stride = row_stride * bytes / 16;
-    p.rows = rows;
+    p.rows = static_cast<int32_t>(rows);
     p.width = static_cast<int32_t>(width / 16);
     p.differs = data<int>(differs);
     uniform_rows_kernel<<<static_cast<unsigned>(batch * rows), kThreads, 0, stream>>>(p);
