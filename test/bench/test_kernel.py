@@ -29,6 +29,8 @@ from flux2_fused.errors import BadValue
         ("swiglu", "9216x4608:single", (9216, 4608, "single")),
         ("swiglu", "9216x4096:quant-tensor", (9216, 4096, "quant-tensor")),
         ("swiglu", "9216x4608:single-tensor", (9216, 4608, "single-tensor")),
+        ("gelu_tanh", "12288x4096:quant", (12288, 4096, "quant")),
+        ("gelu_tanh", "12288x4608:single-tensor", (12288, 4608, "single-tensor")),
         ("float8_quant", "3072x4608:tensor", (3072, 4608, "tensor")),
         ("uniform_rows", "9216x4096", (9216, 4096, "")),
     ],
@@ -63,7 +65,7 @@ def test_the_default_run_times_every_layout(op: str) -> None:
     assert all(f":{layout}" in kernel.SHAPE_FORMS[op] for layout in kernel.LAYOUTS[op] if layout)
 
 
-@pytest.mark.parametrize("op", ["gated_resnorm", "qk_norm_rope"])
+@pytest.mark.parametrize("op", ["gated_resnorm", "qk_norm_rope", "gelu_tanh"])
 def test_a_case_refuses_a_layout_before_it_touches_a_gpu(op: str) -> None:
     with pytest.raises(ValueError, match=f"unknown {op} layout 'double'"):
         kernel.CASES[op](24, 64, 1, torch.bfloat16, "double")

@@ -37,7 +37,8 @@ Sites (`--op`), the floors' bytes counted for bf16:
   writes torchao's per-row float8 of it for the next Linear instead (5 bytes an element), HxT:single
   that of a single block's [attention | swiglu] row, the [B, T, H/3] attention output read too.
 - gelu_tanh, shapes HxT: one FLUX.1 MLP activation (`gelu(approximate="tanh")`), [B, T, H] in and
-  out; the floor moves 4 bytes an element.
+  out; the floor moves 4 bytes an element. HxT:quant and HxT:single as for swiglu (3 bytes an
+  element; the single block's attention output is H/4 wide).
 - float8_quant, shapes KxT (KxT:tensor: one scale for the tensor): torchao's float8 quantization of
   a [B, T, K] Linear input, e4m3fn bytes and a scale a row out; the floor moves 3 bytes an element.
 - uniform_rows, shapes WxT: the check that a [B, T, W] tensor's rows all equal their batch's first
@@ -136,8 +137,17 @@ DEFAULT_SHAPES = {
         "9216x4096:quant-tensor",
         "9216x4608:single-tensor",
     ],
-    # FLUX.1-dev's MLP (3072 x 4): the single block's joint rows, the image rows, the text rows.
-    "gelu_tanh": ["12288x4608", "12288x4096", "12288x512"],
+    # FLUX.1-dev's MLP (3072 x 4): the single block's joint rows, the image rows, the text rows; their
+    # float8 forms.
+    "gelu_tanh": [
+        "12288x4608",
+        "12288x4096",
+        "12288x512",
+        "12288x4096:quant",
+        "12288x4608:single",
+        "12288x4096:quant-tensor",
+        "12288x4608:single-tensor",
+    ],
     # klein-4B's Linear inputs at 1024x1024: the hidden rows, the MLP's hidden rows (per row and per
     # tensor).
     "float8_quant": ["3072x4608", "9216x4608", "3072x4608:tensor"],
@@ -155,7 +165,9 @@ SHAPE_FORMS = {
     "swiglu": "HxT, HxT:pair, HxT:quant, HxT:single, HxT:quant-tensor or HxT:single-tensor (hidden x "
     "tokens, e.g. 9216x4608; pair: a and b two tensors; quant: the float8 of it for the next Linear; "
     "single: of [attention | swiglu]; -tensor: with one scale for the tensor)",
-    "gelu_tanh": "HxT (hidden x tokens, e.g. 12288x4608)",
+    "gelu_tanh": "HxT, HxT:quant, HxT:single, HxT:quant-tensor or HxT:single-tensor (hidden x tokens, e.g. "
+    "12288x4608; quant: the float8 of it for the next Linear; single: of [attention | gelu]; -tensor: "
+    "with one scale for the tensor)",
     "float8_quant": "KxT or KxT:tensor (row width x rows, e.g. 3072x4608; tensor: one scale)",
     "uniform_rows": "WxT (row width x rows, e.g. 9216x4096)",
 }
@@ -174,7 +186,7 @@ LAYOUTS = {
     "qk_norm_rope": ("", "single", "upcast", "qwen"),
     "sandwich_norm": ("", "first", "last", "quant"),
     "swiglu": ("", "pair", "quant", "single", "quant-tensor", "single-tensor"),
-    "gelu_tanh": ("",),
+    "gelu_tanh": ("", "quant", "single", "quant-tensor", "single-tensor"),
     "float8_quant": ("", "tensor"),
     "uniform_rows": ("",),
 }
@@ -431,7 +443,7 @@ def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout
     the tensor) its quantizing form."""
     _check_layout("swiglu", layout)
     if layout not in ("", "pair"):
-        return _swiglu_quantized_case(hidden, tokens, batch, dtype, layout)
+        return _quantized_case("swiglu", hidden, tokens, batch, dtype, layout)
     width = hidden if layout == "pair" else 2 * hidden
 
     def make() -> tuple:
@@ -447,39 +459,50 @@ def swiglu_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout
     return Case(sets, swiglu.reference.swiglu, fused, 3 * elements * dtype.itemsize, hidden, label)
 
 
-def _swiglu_quantized_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout: str) -> Case:
-    """swiglu's quantizing form: [B, T, 2H] in (after a [B, T, H/3] attention output for "single"),
-    torchao's float8 of the row out (a scale a row, or one for the tensor with "-tensor": the joint
-    rows and their words written, then read again, bytes the floor counts); the eager chain is the
-    activation, the cat, then torchao's quantization."""
+# A quantizing row-wise op: its package, the operands a row of its input holds, and its width over
+# the attention output's in a single block's [attention | activation] row (FLUX.2's MLP ratio 3,
+# FLUX.1's 4).
+_QUANTIZING = {"swiglu": (swiglu, 2, 3), "gelu_tanh": (gelu_tanh, 1, 4)}
+
+
+def _quantized_case(name: str, hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout: str) -> Case:
+    """A row-wise op's quantizing form: [B, T, operands x H] in (after a single block's attention
+    output for "single"), torchao's float8 of the row out (a scale a row, or one for the tensor with
+    "-tensor": the joint rows and their words written, then read again, bytes the floor counts); the
+    eager chain is the activation, the cat, then torchao's quantization."""
+    op, operands, ratio = _QUANTIZING[name]
     shape, _, kind = layout.partition("-")
     granularity = kind or "row"
-    dim = hidden // 3 if shape == "single" else 0
+    dim = hidden // ratio if shape == "single" else 0
 
     def make() -> tuple:
-        x = torch.randn(batch, tokens, 2 * hidden, device="cuda", dtype=dtype) * 4
+        x = torch.randn(batch, tokens, operands * hidden, device="cuda", dtype=dtype) * 4
         return (x, torch.randn(batch, tokens, dim, device="cuda", dtype=dtype) if dim else None)
 
     def eager(x: torch.Tensor, prefix: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        value = swiglu.reference.swiglu(x)
+        value = getattr(op.reference, name)(x)
         joint = value if prefix is None else torch.cat([prefix, value], -1)
         return float8_quant.reference.quantize(joint, granularity)
 
     def fused(x: torch.Tensor, prefix: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        out = swiglu.quantized(x, prefix=prefix, granularity=granularity)
+        out = op.quantized(x, prefix=prefix, granularity=granularity)
         if out is None:
-            raise RuntimeError(f"quantizing swiglu declined H={hidden} T={tokens} {layout}")
+            raise RuntimeError(f"quantizing {name} declined H={hidden} T={tokens} {layout}")
         return out
 
     rows = batch * tokens
-    floor_bytes = rows * (hidden * (2 * dtype.itemsize + 1) + dim * (dtype.itemsize + 1))
+    floor_bytes = rows * (hidden * (operands * dtype.itemsize + 1) + dim * (dtype.itemsize + 1))
     if granularity == "tensor":  # the joint rows are also written, then read again
         floor_bytes += 2 * rows * (hidden + dim) * dtype.itemsize
-    return Case(_sets(make, floor_bytes), eager, fused, floor_bytes, hidden, f"swiglu {layout}")
+    return Case(_sets(make, floor_bytes), eager, fused, floor_bytes, hidden, f"{name} {layout}")
 
 
-def gelu_tanh_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype) -> Case:
-    """One FLUX.1 MLP activation: the [B, T, H] projection in, [B, T, H] out."""
+def gelu_tanh_case(hidden: int, tokens: int, batch: int, dtype: torch.dtype, layout: str = "") -> Case:
+    """One FLUX.1 MLP activation: the [B, T, H] projection in, [B, T, H] out; "quant" and "single"
+    (with "-tensor": one scale for the tensor) its quantizing form."""
+    _check_layout("gelu_tanh", layout)
+    if layout:
+        return _quantized_case("gelu_tanh", hidden, tokens, batch, dtype, layout)
 
     def make() -> tuple:
         return (torch.randn(batch, tokens, hidden, device="cuda", dtype=dtype) * 4,)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from . import float8_quant, jit, runtime
-from .bits import bits_equal
+from .bits import bits_equal, every_bit_pattern
 from .float8_quant.reference import GRANULARITIES
 from .runtime import FusedOp
 from .verdicts import Guard, Reason, TypeReason, raise_for
@@ -360,8 +360,10 @@ def quantizing_cases(
     random rows with edge rows (zero, tiny, huge values, NaN, +-Inf: each scale's long path), a
     prefix beside strided operand rows, random bit patterns, a joint row wider than the narrow
     kernel's, rows 8 bytes into their buffer (the kernel's 8-byte form; every other case is whole
-    16-byte vectors), and for two operands the two-tensor form; with one scale for the tensor, the
-    random rows alone too (the edge rows make every element NaN)."""
+    16-byte vectors), every value of the dtype as the first operand (the joint form's rows show each
+    one's result exactly, where per-row bytes round most of its bits away), and for two operands
+    the two-tensor form; with one scale for the tensor, the random rows alone too (the edge rows
+    make every element NaN)."""
     from .bits import random_bits
 
     batch, tokens, hidden = 2, 13, 200
@@ -373,6 +375,8 @@ def quantizing_cases(
     wide = torch.randn(batch, tokens, 3 * hidden + operands * hidden, generator=gen, device=device).to(dtype)
     prefix = (torch.randn(batch, tokens, 3 * hidden, generator=gen, device=device) * 2).to(dtype)
     long_row = torch.randn(1, 3, operands * 13000, generator=gen, device=device).to(dtype)
+    every = every_bit_pattern(dtype, device).view(16, 4096)
+    others = torch.randn(16, 4096 * (operands - 1), generator=gen, device=device).to(dtype)
     cases = {
         "random rows": (x[1:], None, None),
         "random and edge rows": (x, None, None),
@@ -384,6 +388,7 @@ def quantizing_cases(
         ),
         "a row of 19000 after a prefix": (long_row, torch.randn(1, 3, 6000, device=device).to(dtype), None),
         "rows 8 bytes into their buffer": (wide[..., 4 : 4 + operands * hidden], None, None),
+        "every value of the dtype as the first operand": (torch.cat([every, others], dim=-1), None, None),
     }
     if operands == 2:
         cases["two projections"] = (x[..., :hidden].contiguous(), None, x[..., hidden:].contiguous())
