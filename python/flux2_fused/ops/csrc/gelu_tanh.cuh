@@ -55,16 +55,23 @@ __global__ void __launch_bounds__(rowwise::kThreads) gelu_tanh_kernel_joint(cons
 }
 
 // The same values, the row [prefix | gelu] quantized for the next Linear (rowwise::quantize_row),
-// the row staged in shared memory.
+// the row staged in shared memory, kVec elements a load.
 template <typename T, int kVec>
 __global__ void __launch_bounds__(rowwise::kThreads) gelu_tanh_kernel_quantized(const rowwise::Params<T> p) {
-  rowwise::quantize_row<T, 1, kVec>(p, [](float x) { return gelu(x); });
+  rowwise::quantize_row<T, 1, kVec, rowwise::kUnroll>(p, [](float x) { return gelu(x); });
 }
 
-// Its 8-byte and 16-byte forms (rowwise::launch_quantized picks one).
+// Its narrow form: 16-byte loads, rows up to rowwise::kNarrowWidth, six rows an SM.
+template <typename T>
+__global__ void __launch_bounds__(rowwise::kThreads, rowwise::kNarrowBlocks)
+    gelu_tanh_kernel_quantized_narrow(const rowwise::Params<T> p) {
+  rowwise::quantize_row<T, 1, 8, rowwise::kNarrowUnroll>(p, [](float x) { return gelu(x); });
+}
+
+// Its 8-byte, 16-byte and narrow forms (rowwise::launch_quantized picks one).
 template <typename T>
 rowwise::QuantizedKernels<T> quantized_kernels() {
-  return {gelu_tanh_kernel_quantized<T, 4>, gelu_tanh_kernel_quantized<T, 8>};
+  return {gelu_tanh_kernel_quantized<T, 4>, gelu_tanh_kernel_quantized<T, 8>, gelu_tanh_kernel_quantized_narrow<T>};
 }
 
 }  // namespace gelu_tanh

@@ -23,9 +23,13 @@
 // holds it, then its amax over the row, the scale and the e4m3fn bytes. The row's values are staged
 // in shared memory between the amax and the bytes (48 KB for a 24576-wide bf16 row: four rows an SM).
 // Where every row of its inputs starts on 16 bytes and holds whole 16-byte vectors (the models'
-// widths), it walks the row 8 elements (16 bytes) at a time: with at most four rows an SM, each
-// thread's loads in flight are what keep the memory busy, and 16-byte loads double them at the same
-// instruction count.
+// widths), it walks the row 8 elements (16 bytes) at a time: 16-byte loads double a thread's bytes
+// in flight at the same instruction count. Rows up to kNarrowWidth wide take the narrow form: six
+// rows an SM (their staged rows fit its shared memory; a 40-register cap) with two vectors of each
+// operand in flight a thread, where the wide form holds four rows an SM with four vectors each. A
+// block waits on its row's loads, then computes, then quantizes, so more rows an SM overlap more of
+// those phases: on the H200 the narrow form took 6-14% off FLUX.2 klein's and FLUX.1's sites, and
+// lost 6% at dev's 24576-wide rows, where shared memory holds four rows an SM either way.
 //
 // The Python layer (flux2_fused/ops/rowwise.py) validates every input and decides when a kernel may
 // run; the host checks here only stop a misuse from touching the wrong memory.
@@ -51,6 +55,11 @@ namespace rowwise {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
+// The quantizing kernel's narrow form (see the header): rows up to this wide, six blocks an SM, two
+// vectors of each operand in flight a thread.
+constexpr int kNarrowWidth = 18432;
+constexpr int kNarrowBlocks = 6;
+constexpr int kNarrowUnroll = 2;
 constexpr int kMaxOperands = 2;
 constexpr int kMaxQuantizedWidth = 24576;  // the widest joint row the quantizing kernel stages
 
@@ -115,10 +124,11 @@ __device__ __forceinline__ Vec<T, kVec> load_vec(const T* row, int v) {
 }
 
 // This block's row of x through f (fp32 operands in, the fp32 value before the final rounding out),
-// each value rounded to T, into out_row (global or shared memory), kVec elements a vector; with
+// each value rounded to T, into out_row (global or shared memory), kVec elements a vector, kLoads
+// vectors of each operand in flight a thread; with
 // kJoint, the prefix's row first, and the largest magnitude bits of the row's values returned (every
 // thread gets them).
-template <typename T, int kOperands, bool kJoint, typename F, int kVec = 4>
+template <typename T, int kOperands, bool kJoint, typename F, int kVec = 4, int kLoads = kUnroll>
 __device__ __forceinline__ unsigned int map_row_to(const Params<T>& p, F f, T* out_row) {
   using Operands = std::make_index_sequence<kOperands>;
   const RowOf<T, kOperands> at(p, blockIdx.x);
@@ -127,10 +137,10 @@ __device__ __forceinline__ unsigned int map_row_to(const Params<T>& p, F f, T* o
   const int prefix_vectors = kJoint ? p.prefix_width / kVec : 0;
   const int vectors = prefix_vectors + p.hidden / kVec;
   unsigned int m = 0;
-  for (int v0 = threadIdx.x; v0 < vectors; v0 += kThreads * kUnroll) {
-    Vec<T, kVec> in[kUnroll][kOperands];  // a prefix vector, or the operands
+  for (int v0 = threadIdx.x; v0 < vectors; v0 += kThreads * kLoads) {
+    Vec<T, kVec> in[kLoads][kOperands];  // a prefix vector, or the operands
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kLoads; ++u) {
       const int v = v0 + u * kThreads - prefix_vectors;  // the operands' vector (< 0: the prefix's)
       if (kJoint && v < 0) {
         in[u][0] = load_vec<T, kVec>(prefix_row, v + prefix_vectors);
@@ -140,7 +150,7 @@ __device__ __forceinline__ unsigned int map_row_to(const Params<T>& p, F f, T* o
       }
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kLoads; ++u) {
       const int v = v0 + u * kThreads - prefix_vectors;
       if (v + prefix_vectors < vectors) {
         Vec<T, kVec> o;
@@ -178,14 +188,15 @@ __device__ __forceinline__ void map_row(const Params<T>& p, F f) {
 // block, its values rounded to T, as torchao's per-row float8 into q and scale. The row's values wait
 // in shared memory (the launch's dynamic shared memory, the row's width in T) between its amax and
 // its bytes, so a thread holds only what it has in flight and several rows share an SM. kVec: the
-// elements a load (4, or 8 where `octs_aligned`).
-template <typename T, int kOperands, int kVec, typename F>
+// elements a load (4, or 8 where `octs_aligned`); kLoads: the vectors of each operand a thread has
+// in flight.
+template <typename T, int kOperands, int kVec, int kLoads, typename F>
 __device__ __forceinline__ void quantize_row(const Params<T>& p, F f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
   __trap();  // float8 GEMMs need sm_89: the guards never launch it on an older GPU, and no code is built
 #else
   extern __shared__ uint4 staged[];  // the joint row, in T
-  const unsigned int m = map_row_to<T, kOperands, true, F, kVec>(p, f, reinterpret_cast<T*>(staged));
+  const unsigned int m = map_row_to<T, kOperands, true, F, kVec, kLoads>(p, f, reinterpret_cast<T*>(staged));
   // block_max's barrier has made every thread's values visible
   const int64_t row = blockIdx.x;
   const float scale = float8_quant::scale_of<T>(m);
@@ -277,11 +288,13 @@ void launch(void (*kernel)(Params<T>), TensorView out, TensorView x, const Optio
   run(kernel, p, x, dev, name);
 }
 
-// A quantizing kernel's two forms: 8-byte vectors (any row a multiple of 4 wide) and 16-byte ones.
+// A quantizing kernel's forms: 8-byte vectors (any row a multiple of 4 wide), 16-byte ones, and
+// 16-byte ones for rows up to kNarrowWidth (six rows an SM).
 template <typename T>
 struct QuantizedKernels {
   void (*quads)(Params<T>);
   void (*octs)(Params<T>);
+  void (*narrow)(Params<T>);
 };
 
 // Whether every row p's walk reads (each operand's, the prefix's) starts on 16 bytes and is whole
@@ -325,7 +338,8 @@ void launch_quantized(const QuantizedKernels<T>& kernels, TensorView q, TensorVi
   set_prefix(p, prefix, x, dev, name);
   p.q = data<uint8_t>(q);
   p.scale = data<float>(scale);
-  run(octs_aligned(p, operands) ? kernels.octs : kernels.quads, p, x, dev, name, static_cast<int>(width * sizeof(T)));
+  const auto kernel = !octs_aligned(p, operands) ? kernels.quads : (width <= kNarrowWidth ? kernels.narrow : kernels.octs);
+  run(kernel, p, x, dev, name, static_cast<int>(width * sizeof(T)));
 }
 
 // The joint form over x's rows (other as in `launch`), prefix's rows first where given: joint the

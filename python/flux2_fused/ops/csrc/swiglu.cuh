@@ -39,16 +39,23 @@ __global__ void __launch_bounds__(rowwise::kThreads) swiglu_kernel_joint(const r
 }
 
 // The same values, the row [prefix | swiglu] quantized for the next Linear (rowwise::quantize_row),
-// the row staged in shared memory.
+// the row staged in shared memory, kVec elements a load.
 template <typename T, int kVec>
 __global__ void __launch_bounds__(rowwise::kThreads) swiglu_kernel_quantized(const rowwise::Params<T> p) {
-  rowwise::quantize_row<T, 2, kVec>(p, [](float a, float b) { return silu_mul<T>(a, b); });
+  rowwise::quantize_row<T, 2, kVec, rowwise::kUnroll>(p, [](float a, float b) { return silu_mul<T>(a, b); });
 }
 
-// Its 8-byte and 16-byte forms (rowwise::launch_quantized picks one).
+// Its narrow form: 16-byte loads, rows up to rowwise::kNarrowWidth, six rows an SM.
+template <typename T>
+__global__ void __launch_bounds__(rowwise::kThreads, rowwise::kNarrowBlocks)
+    swiglu_kernel_quantized_narrow(const rowwise::Params<T> p) {
+  rowwise::quantize_row<T, 2, 8, rowwise::kNarrowUnroll>(p, [](float a, float b) { return silu_mul<T>(a, b); });
+}
+
+// Its 8-byte, 16-byte and narrow forms (rowwise::launch_quantized picks one).
 template <typename T>
 rowwise::QuantizedKernels<T> quantized_kernels() {
-  return {swiglu_kernel_quantized<T, 4>, swiglu_kernel_quantized<T, 8>};
+  return {swiglu_kernel_quantized<T, 4>, swiglu_kernel_quantized<T, 8>, swiglu_kernel_quantized_narrow<T>};
 }
 
 }  // namespace swiglu
