@@ -125,9 +125,8 @@ __device__ __forceinline__ Vec<T, kVec> load_vec(const T* row, int v) {
 
 // This block's row of x through f (fp32 operands in, the fp32 value before the final rounding out),
 // each value rounded to T, into out_row (global or shared memory), kVec elements a vector, kLoads
-// vectors of each operand in flight a thread; with
-// kJoint, the prefix's row first, and the largest magnitude bits of the row's values returned (every
-// thread gets them).
+// vectors of each operand in flight a thread; with kJoint, the prefix's row first, and the largest
+// magnitude bits of the row's values returned (every thread gets them).
 template <typename T, int kOperands, bool kJoint, typename F, int kVec = 4, int kLoads = kUnroll>
 __device__ __forceinline__ unsigned int map_row_to(const Params<T>& p, F f, T* out_row) {
   using Operands = std::make_index_sequence<kOperands>;
