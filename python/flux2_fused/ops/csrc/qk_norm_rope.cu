@@ -133,7 +133,7 @@ void run(TensorView q_out, TensorView k_out, Optional<TensorView> v_out, TensorV
     int sms = 0;
     const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev.device_id);
     TVM_FFI_ICHECK(err == cudaSuccess) << "qk_norm_rope: " << cudaGetErrorString(err);
-    parts = parts_for(blocks, p.tensors * ((p.heads + 1) / 2), sms * kMinBlocks);
+    parts = parts_for(blocks, units_of(p.tensors, p.heads), sms * kMinBlocks);
   }
   auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(parts));

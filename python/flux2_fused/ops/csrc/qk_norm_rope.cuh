@@ -121,6 +121,10 @@ struct Params {
   float eps;
 };
 
+// The units of one token: q's row pairs, then k's, then (tensors == 3) v's; with H odd a tensor's last
+// pair has one head. The kernel deals them and the launch sizes its grid by them, from this one count.
+__host__ __device__ inline int units_of(int tensors, int heads) { return tensors * ((heads + 1) / 2); }
+
 // A token's units are dealt to the warps of `parts` blocks (the grid's y: part blockIdx.y): one
 // block a token where the grid fills a wave of resident blocks, as many as a wave holds (up to one
 // round a warp) where it would not. On the H200 (FLUX.3's fp32 prologue, 24 heads, CUDA-graph
@@ -226,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) qk_norm_rope_kernel(cons
   // Unit u: tensor t = u / pairs, heads 2 (u - t pairs) + {0, 1}. With H odd the odd half of a
   // tensor's last pair is one head past the end: it runs the shuffles on zeros and stores nothing.
   const int pairs = (p.heads + 1) >> 1;
-  const int units = p.tensors * pairs;
+  const int units = units_of(p.tensors, p.heads);
   // Round `first` (a warp's units first, first + dealers, ...) into xs: each lane's 16 bytes of its head.
   auto load_round = [&](int first, Oct<T>* xs) {
 #pragma unroll
