@@ -1,5 +1,6 @@
-"""CPU tests of the floor's record of a step's GEMM and attention calls (`bench.floor`); its CUDA
-graph replay runs in the GPU scan test (test_step.py)."""
+"""Tests of the floor's record of a step's GEMM and attention calls and of its copied step
+(`bench.floor`): on the CPU, and the copied step's CUDA graph on the GPU; the floor's replay runs in
+the GPU scan test (test_step.py) too."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flux2_fused.bench.floor import ATTENTION_OPS, GEMM_OPS, floor_step, record, replay
+from flux2_fused.bench.floor import ATTENTION_OPS, GEMM_OPS, Copy, copied_step, floor_step, record, replay
+from flux2_fused.ops import jit
 
 
 class _Block(nn.Module):
@@ -55,6 +57,43 @@ def test_replay_runs_the_calls_and_the_floor_needs_some() -> None:
             floor_step(lambda: F.gelu(x), block)
 
 
+class _Kernels:
+    """A stand-in for an op's kernel module (`jit.module_for`'s): `gelu` writes gelu(x) into out."""
+
+    def gelu(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        out.copy_(F.gelu(x))
+
+
+def test_the_copied_step_records_each_fused_launch_as_a_copy_of_its_bytes_in_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With `fused`, a launch through `jit.module_for` between the two projections is noted between
+    their calls as the bytes it moves (its output and input); it still runs. Replayed, each copy moves
+    half its bytes from the first scratch buffer into the second; without scratch it is refused."""
+    monkeypatch.setattr(jit, "module_for", lambda spec, device: _Kernels())
+    block, x = _Block(), torch.randn(2, 5, 16)
+
+    def step() -> torch.Tensor:
+        hidden = block.qkv(x)[..., :16]
+        out = torch.empty_like(hidden)
+        jit.module_for(None, x.device).gelu(out, hidden)
+        return block.out(out)
+
+    with torch.inference_mode():
+        expected = block.out(F.gelu(block.qkv(x)[..., :16]))
+        plain = record(step, block.parameters())
+        assert [func for func, _, _ in plain] == [torch.ops.aten.linear.default] * 2
+        calls = record(step, block.parameters(), fused=True)
+        assert torch.equal(step(), expected)  # the launch ran while it was noted
+        assert calls[1] == Copy(2 * 2 * 5 * 16 * 4) and [type(c) for c in calls] == [tuple, Copy, tuple]
+        source, target = torch.arange(640, dtype=torch.uint8), torch.zeros(640, dtype=torch.uint8)
+        replay(calls, (source, target))
+        assert torch.equal(target, source)
+        with pytest.raises(ValueError, match="scratch"):
+            replay(calls)
+    assert isinstance(jit.module_for(None, None), _Kernels)  # the counting put the module back
+
+
 def test_outside_inference_mode_the_decomposed_products_are_noted_once() -> None:
     """Under no_grad a mode sees linear's addmm/mm (its weight as a transposed view, still the
     weight's storage: held, not copied) and never linear and addmm both."""
@@ -88,3 +127,25 @@ def test_torchao_float8_linears_are_recorded_as_their_scaled_gemms() -> None:
         assert [func for func, _, _ in calls] == [torch.ops.aten._scaled_mm.default]
         assert calls[0][1][0].dtype == torch.float8_e4m3fn
         replay(calls)
+
+
+@pytest.mark.gpu
+def test_the_copied_step_replays_a_real_launch_as_one_copy_on_the_gpu() -> None:
+    """A projection, the SwiGLU kernel and a projection: the copied step's graph replays the two
+    GEMMs and, between them, one device copy of the kernel's bytes, and nothing of the kernel."""
+    from flux2_fused.bench.step import kernel_breakdown
+    from flux2_fused.ops.swiglu import swiglu
+
+    up = nn.Linear(256, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    down = nn.Linear(512, 256, bias=False, device="cuda", dtype=torch.bfloat16)
+    model = nn.ModuleList([up, down])
+    x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        calls = record(lambda: down(swiglu(up(x))), model.parameters(), fused=True)
+        moved = 2 * 64 * (1024 + 512) * 2  # the projection read, the activation written
+        assert [type(c) for c in calls] == [tuple, Copy, tuple] and calls[1] == Copy(moved)
+        copied = copied_step(lambda: down(swiglu(up(x))), model)
+        copied()
+        torch.cuda.synchronize()
+        profile = kernel_breakdown(copied)
+    assert profile.launches["gemm"] == 2 and profile.launches["fused"] == 0 and profile.launches["other"] == 1

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 
 from flux2_fused.bench import plot
-from flux2_fused.bench.classify import kernel_class
+from flux2_fused.bench.classify import fused_op, kernel_class
 from flux2_fused.bench.results.kernel import KernelReport, KernelRow, format_kernel_table
 from flux2_fused.bench.results.pipeline import PipelineResult, format_pipeline_table
-from flux2_fused.bench.results.step import StepResult, format_step_table
+from flux2_fused.bench.results.step import OpTraffic, StepResult, format_step_table
 from flux2_fused.bench.results.tables import KERNEL_CLASSES, SITES, Breakdown, Paired, Timing
 from flux2_fused.bench.results.verify import VerifyRow, format_verify
-from flux2_fused.bench.step import _pair_order, breakdown_of, busy_pct, host_ms, shapes
+from flux2_fused.bench.step import _pair_order, breakdown_of, busy_pct, host_ms, op_traffic, shapes
 from flux2_fused.cli import build_parser
-from flux2_fused.ops import FUSED_KERNELS
+from flux2_fused.ops import FUSED_KERNELS, KERNEL_OPS
 
 # Kernel names in the form torch.profiler reports them on Hopper (cuBLAS, cuBLASLt, cuDNN, flash,
 # memory-efficient attention, aten, Inductor and this package's kernels), with the class of each.
@@ -146,6 +146,30 @@ def test_breakdown_sums_time_and_launches_by_class() -> None:
     assert empty.total_launches == 0 and empty.kernel_ms == dict.fromkeys(KERNEL_CLASSES, 0.0)
 
 
+def test_a_fused_kernel_is_its_ops_and_the_steps_kernels_split_by_op() -> None:
+    """Every op's kernel names it, whatever the instantiation (float8_quant's two per-tensor kernels
+    included); other kernels name none. The fused step's kernels add up by op, each op beside the
+    bytes its launches moved, in their order; an op counted but not profiled has no time."""
+    ops = {"gated_resnorm", "qk_norm_rope", "swiglu", "gelu_tanh", "sandwich_norm", "float8_quant"}
+    assert set(KERNEL_OPS.values()) == {*ops, "uniform_rows"}
+    for kernel, op in KERNEL_OPS.items():
+        assert fused_op(f"void flux2_fused::{op}::{kernel}<__nv_bfloat16, true>(...)") == op
+    assert fused_op("void flux2_fused::float8_quant::float8_quant_kernel_amax<__half>(...)") == "float8_quant"
+    assert all(fused_op(name) is None for name, cls in KERNEL_NAMES if cls != "fused")
+    kernels = [
+        ("void flux2_fused::qk_norm_rope_kernel<__nv_bfloat16, true, 0, 0>(...)", 30.0),
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", 500.0),
+        ("void flux2_fused::swiglu_kernel<__nv_bfloat16, 8>(...)", 60.0),
+        ("void flux2_fused::qk_norm_rope_kernel<__nv_bfloat16, true, 0, 0>(...)", 10.0),
+    ]
+    moved = {"swiglu": 2_000_000, "qk_norm_rope": 1_000_000, "uniform_rows": 5}
+    assert op_traffic(kernels, moved) == [
+        OpTraffic("swiglu", 1, 0.002, pytest.approx(0.06)),
+        OpTraffic("qk_norm_rope", 2, 0.001, pytest.approx(0.04)),
+        OpTraffic("uniform_rows", 0, 5e-9, 0.0),
+    ]
+
+
 def test_breakdown_fields_are_documented() -> None:
     """Breakdown is nested in StepResult's JSON, so its fields are documented like the report classes'."""
     documented = set(re.findall(r"^\s*- (\w+):", Breakdown.__doc__ or "", re.MULTILINE))
@@ -194,26 +218,32 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
             {"gemm": 6.25, "attention": 2.0, "fused": 0.0, "collective": 0.0, "other": 0.0},
             {"gemm": 500, "attention": 50, "fused": 0, "collective": 0, "other": 0},
         ),
+        fused_ops=[OpTraffic("gated_resnorm", 41, 1.704, 0.5), OpTraffic("uniform_rows", 0, 0.001, 0.0)],
+        copied_ms=9.0,
+        copied_profile=Breakdown(
+            {"gemm": 6.5, "attention": 2.0, "fused": 0.0, "collective": 0.0, "other": 0.4},
+            {"gemm": 500, "attention": 50, "fused": 0, "collective": 0, "other": 41},
+        ),
     )
     table = format_step_table([step, on_diffusers, scanned], "NVIDIA H200", "2.11.0")
-    timings, breakdown = table.split("\n\n")
+    timings, breakdown, traffic = table.split("\n\n")
     assert "eager = diffusers' own forward, fused = enable(model)" in timings
-    assert _table_widths(timings) == {22}
+    assert _table_widths(timings) == {23}
     assert "| fused vs compiled: paired gain ms (95% CI), fused won |" in timings
     assert (
         "| klein-4b | package | 1 | 4096+512 | pipelined | 11.00 | 10.00 | +10.0% "
-        "| - | - | - | - | - | - | - |" in timings
+        "| - | - | - | - | - | - | - | - |" in timings
     )
     assert "| klein-4b | diffusers (LoRA r16, model offload) | 1 | 4096+512 | synchronized |" in timings
     # The compile column's paired gain: mean 1.00 ms, 95% CI 1.96 * 0.71 / sqrt(2), both pairs won.
     assert (
         "| klein-4b | package | 4 | 1360x768 (4080+512) | pipelined | 11.00 | 10.00 | +10.0% "
         "| 11.00 (+10.0%) | +1.00 +- 0.98, 2/2 | 10.50 (+4.8%) | 8.00 (+25.0%), bit-exact | 8.00 (+25.0%) "
-        "| eager 96.8 / fused 99.1 / compiled 98.5 | eager 80.12 / fused 46.00 / compiled 1.50 "
-        "| +1.00 +- 0.00 | 2/2 |" in timings
+        "| 9.00 (+11.1%) | eager 96.8 / fused 99.1 / compiled 98.5 "
+        "| eager 80.12 / fused 46.00 / compiled 1.50 | +1.00 +- 0.00 | 2/2 |" in timings
     )
     assert (
-        "| 1360x768 (4080+512) | synchronized | 11.00 | 10.00 | +10.0% | - | - | - | - | - | - | - |"
+        "| 1360x768 (4080+512) | synchronized | 11.00 | 10.00 | +10.0% | - | - | - | - | - | - | - | - |"
         in timings
     )
     assert _table_widths(breakdown) == {14}
@@ -235,6 +265,18 @@ def test_the_gpu_benchmarks_tables_render_on_the_cpu() -> None:
         "| 2.00 (50) | 0.00 (0) | 0.00 (0) | 0.00 (0) | 8.25 | - |" in breakdown
     )
     assert breakdown.count("GEMM + attention alone") == 1
+    assert (
+        "| klein-4b | package | 4 | 1360x768 (4080+512) | with the fused bytes copied (as other) | 591 "
+        "| 6.50 (500) | 2.00 (50) | 0.00 (0) | 0.00 (0) | 0.40 (41) | 8.90 | - |" in breakdown
+    )
+    # The op table: each op's bandwidth in the step against the copy's (1.704 GB in 0.5 ms: 80%).
+    assert _table_widths(traffic) == {11}
+    assert (
+        "| klein-4b | package | 4 | 1360x768 (4080+512) | gated_resnorm | 41 | 1.70 | 0.50 | 3.41 | 80% |"
+        in traffic
+    )
+    assert "| uniform_rows | 0 | 0.00 | 0.00 | - | - |" in traffic
+    assert format_step_table([step], "NVIDIA H200", "2.11.0").count("\n\n") == 1  # no op counted: no table
     # Blocks: the pipelined row says so and counts steps * block pairs.
     blocked = format_step_table([dataclasses.replace(step, block=3, lead_in=5)], "NVIDIA H200", "2.11.0")
     assert "| 4096+512 | pipelined, blocks of 3 after 5 | 11.00 | 10.00 |" in blocked
@@ -392,7 +434,7 @@ def test_a_scan_row_on_the_gpu() -> None:
     assert all(r.bit_exact and r.fused_kernel_launches == 96 for r in rows)
     assert [(r.width, r.height, r.img_tokens) for r in rows] == [(256, 256, 256), (512, 256, 512)]
     assert set(rows[0].busy_pct) == {"eager", "fused"} and rows[0].compiled_ms is None
-    modes = {"eager", "fused", "compiled", "compiled-fused", "graph", "floor"}
+    modes = {"eager", "fused", "compiled", "compiled-fused", "graph", "floor", "copied"}
     assert set(rows[1].busy_pct) == modes and rows[1].compiled_ms > 0 and rows[1].compiled_fused_ms > 0
     assert rows[1].graph_bit_exact and rows[1].graph_ms > 0 and rows[0].graph_ms is None
     assert all(0 < pct <= 100 for r in rows for pct in r.busy_pct.values())
@@ -403,8 +445,20 @@ def test_a_scan_row_on_the_gpu() -> None:
     assert rows[0].floor_ms is None and 0 < rows[1].floor_ms < rows[1].pipelined.fused_ms
     assert floor.launches["gemm"] == fused.launches["gemm"] and floor.launches["fused"] == 0
     assert floor.launches["attention"] == fused.launches["attention"]
-    # The fused kernels' bytes were counted (96 launches' arguments) and the copy bandwidth measured.
+    # The copied step: the same GEMMs and attention, and one copy (other) for each fused launch.
+    copied = rows[1].copied_profile
+    assert rows[0].copied_ms is None and rows[1].floor_ms < rows[1].copied_ms
+    assert copied.launches["gemm"] == fused.launches["gemm"] and copied.launches["fused"] == 0
+    assert copied.launches["attention"] == fused.launches["attention"]
+    assert copied.launches["other"] == floor.launches["other"] + fused.launches["fused"]
+    # The fused kernels' bytes were counted (96 launches' arguments) and the copy bandwidth measured;
+    # by op, the bytes add up to them and the launches and time to the fused step's profile.
     assert all(r.fused_gb > 0 and r.copy_gbs > 1000 for r in rows)
+    for r in rows:
+        assert sum(t.gb for t in r.fused_ops) == pytest.approx(r.fused_gb)
+        assert sum(t.launches for t in r.fused_ops) == r.fused_profile.launches["fused"]
+        assert sum(t.kernel_ms for t in r.fused_ops) == pytest.approx(r.fused_profile.kernel_ms["fused"])
+        assert {t.op for t in r.fused_ops} == {"gated_resnorm", "qk_norm_rope", "swiglu"}
     assert rows[1].fused_gb > rows[0].fused_gb  # twice the image tokens
 
 

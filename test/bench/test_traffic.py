@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flux2_fused.bench.traffic import fused_bytes, launch_bytes
+from flux2_fused.bench.traffic import bytes_by_op, launch_bytes
 from flux2_fused.ops import jit
 
 
@@ -37,10 +37,10 @@ def test_a_steps_launches_are_counted_while_they_run_and_the_module_is_put_back(
             jit.module_for(None, x.device).double(out, x, 1e-6)
         return out
 
-    assert fused_bytes(step) == 3 * 2 * 4 * 8 * 4
+    assert bytes_by_op(step) == {"": 3 * 2 * 4 * 8 * 4}  # the stand-in's spec (None) has no name
     assert torch.equal(out, x * 2)  # the launches ran
     assert isinstance(jit.module_for(None, None), _Kernels)  # what was there before
-    assert fused_bytes(lambda: None) == 0
+    assert bytes_by_op(lambda: None) == {}
 
 
 def test_a_failing_step_puts_the_module_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,7 +50,7 @@ def test_a_failing_step_puts_the_module_back(monkeypatch: pytest.MonkeyPatch) ->
         raise RuntimeError("the step failed")
 
     with pytest.raises(RuntimeError, match="the step failed"):
-        fused_bytes(step)
+        bytes_by_op(step)
     assert isinstance(jit.module_for(None, None), _Kernels)
 
 
@@ -74,3 +74,17 @@ def test_gated_resnorm_counts_proven_modulation_rows_once_a_batch() -> None:
     assert moved_bytes(args((differs, differs, None, None))) == every
     assert moved_bytes(args((equal, equal, None, None))) == 5 * rows + 3 * row
     assert moved_bytes(args((None, equal, None, None))) == 5 * rows + rows + 2 * row
+
+
+def test_float8_quant_counts_x_twice_where_it_reduces_the_tensors_amax() -> None:
+    """Per row, and per tensor with the amax words another kernel left: each tensor once; per tensor
+    reduced here: x read by both kernels."""
+    from flux2_fused.ops.float8_quant.launch import moved_bytes
+
+    x = torch.empty(3, 64, dtype=torch.bfloat16)
+    q = torch.empty(3, 64, dtype=torch.uint8)
+    row_scale, tensor_scale = torch.empty(3, 1), torch.empty(1, 1)
+    words = torch.empty(1024, dtype=torch.int32)
+    assert moved_bytes((q, row_scale, x, None, 0)) == 192 + 12 + 384
+    assert moved_bytes((q, tensor_scale, x, words, 3)) == 192 + 4 + 384 + 4096
+    assert moved_bytes((q, tensor_scale, x, words, 0)) == 192 + 4 + 2 * 384 + 4096

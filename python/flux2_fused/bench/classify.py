@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from ..ops import FUSED_KERNELS
+from ..ops import FUSED_KERNELS, KERNEL_OPS
 
 # The first pattern that matches a name gives its class, else "other". Fused comes first so our
 # kernels are never counted as anything else, and attention before gemm because the memory-efficient
@@ -49,3 +49,9 @@ def tally(
         ms[cls] += us / 1e3
         counts[cls] += 1
     return ms, counts
+
+
+def fused_op(name: str) -> str | None:
+    """The op (`ops.KERNEL_OPS`) whose kernel a profiled kernel of this name is, else None: how a
+    step's fused kernel time is split by op."""
+    return next((op for kernel, op in KERNEL_OPS.items() if kernel in name), None)

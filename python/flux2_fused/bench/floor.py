@@ -7,17 +7,28 @@ the floor an exact step can at best reach (measured, so within the noise of a fe
 step's distance above it is what its own kernels and the GPU's idle time still cost, and a target
 well below it is out of reach for any exact implementation.
 
+Beside it, the copied step: `copied_step` replays the same calls with, in place of each fused launch,
+one device copy of the bytes that launch moves (`bench.traffic`: half read, half written), where it
+ran. It times the step as if every fused kernel were the GPU's own copy of its bytes, so it says how
+the fused kernels' traffic compares, in place, with the copy that the kernel benchmark holds each
+kernel against: where the fused step is faster than the copied one, its kernels move their bytes in
+place faster than copies of them do (a fused kernel reads what the GEMM before it has just written,
+a copy a buffer of its own), and copy speed is not what bounds them there.
+
 `record(step, keep)` runs one step under a dispatch mode that notes each call of a GEMM or attention
 operator with its arguments: tensors of the model (`keep`: its weights, held by reference) as they
 are, every other tensor as a copy of its storage with the same size, strides and offset taken when
 the call ran (one copy for all inputs of one layout, so a 2048x2048 batch holds a few buffers, not a
-step's activations). `floor_step` replays the calls from a CUDA graph, so the host's launch work
-is not part of it either: the replay is GPU time only, the same kernels on the same shapes.
+step's activations); with `fused`, each fused launch too, as the `Copy` of its bytes.
+`floor_step` replays the calls from a CUDA graph, so the host's launch work is not part of it
+either: the replay is GPU time only, the same kernels on the same shapes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from .timing import graphed
+from .traffic import counting
 
 aten = torch.ops.aten
 
@@ -54,6 +66,16 @@ ATTENTION_OPS = _overloads(
 FLOOR_OPS = GEMM_OPS | ATTENTION_OPS
 
 Call = tuple[Any, tuple, dict]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A fused launch in a record: the bytes it moves, replayed as one device copy of them."""
+
+    nbytes: int
+
+
+Record = list[Call | Copy]
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -91,25 +113,51 @@ class _Recorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def record(step: Callable[[], object], keep: Iterable[torch.Tensor]) -> list[Call]:
+def record(step: Callable[[], object], keep: Iterable[torch.Tensor], fused: bool = False) -> Record:
     """The GEMM and attention calls one `step()` makes, in order, with their arguments held (see the
-    module docstring); `keep` are the tensors to hold by reference (the model's weights)."""
+    module docstring); `keep` are the tensors to hold by reference (the model's weights). With
+    `fused`, each fused kernel launch as well, where it ran among them: the `Copy` of its bytes."""
     recorder = _Recorder(keep)
-    with recorder:
+    launches = counting(lambda op, nbytes: recorder.calls.append(Copy(nbytes))) if fused else nullcontext()
+    with recorder, launches:
         step()
     return recorder.calls
 
 
-def replay(calls: Iterable[Call]) -> None:
-    """The calls again, on the GPU's current stream, results dropped."""
-    for func, args, kwargs in calls:
-        func(*args, **kwargs)
+def replay(calls: Iterable[Call | Copy], scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The calls again, on the GPU's current stream, results dropped; each `Copy` copies the first
+    half of its bytes of `scratch[0]` into `scratch[1]` (both at least that large)."""
+    for call in calls:
+        if isinstance(call, Copy):
+            if scratch is None:
+                raise ValueError("a record with fused launches replays with scratch buffers")
+            half = call.nbytes // 2
+            scratch[1][:half].copy_(scratch[0][:half])
+        else:
+            func, args, kwargs = call
+            func(*args, **kwargs)
+
+
+def _replayed(calls: Record) -> Callable[[], None]:
+    """`calls` captured in a CUDA graph, with scratch buffers for their largest `Copy`; ValueError
+    where there is no GEMM or attention call to replay."""
+    if not any(isinstance(call, tuple) for call in calls):
+        raise ValueError("the step made no GEMM or attention call to replay")
+    copies = [call.nbytes // 2 for call in calls if isinstance(call, Copy)]
+    scratch = None
+    if copies:
+        source = torch.empty(max(copies), dtype=torch.uint8, device="cuda").random_()
+        scratch = (source, torch.empty_like(source))
+    return graphed(lambda: replay(calls, scratch))
 
 
 def floor_step(step: Callable[[], object], model: torch.nn.Module) -> Callable[[], None]:
     """`step`'s GEMM and attention calls captured in a CUDA graph; the callable replays them. A step
     without any (nothing to bound) raises ValueError."""
-    calls = record(step, (*model.parameters(), *model.buffers()))
-    if not calls:
-        raise ValueError("the step made no GEMM or attention call to replay")
-    return graphed(lambda: replay(calls))
+    return _replayed(record(step, (*model.parameters(), *model.buffers())))
+
+
+def copied_step(step: Callable[[], object], model: torch.nn.Module) -> Callable[[], None]:
+    """`floor_step` with each of `step`'s fused launches replayed as a device copy of its bytes, in
+    its place among the GEMMs and attention (the module docstring's copied step)."""
+    return _replayed(record(step, (*model.parameters(), *model.buffers()), fused=True))

@@ -364,7 +364,8 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also the step's GEMM and attention calls alone, replayed from a CUDA graph, pipelined in "
         "turn with eager and fused: the time an exact step can at best reach on this GPU (with --quantize "
-        "float8-row or float8-tensor, its scaled GEMMs: the FP8 floor)",
+        "float8-row or float8-tensor, its scaled GEMMs: the FP8 floor); and the copied step, those calls "
+        "with each fused launch replayed as a device copy of the bytes it moves, in its place",
     )
     parser.add_argument(
         "--host",

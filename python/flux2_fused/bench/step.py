@@ -46,7 +46,9 @@ compiled fused forward (its sites flux2_fused operators).
 the step's GEMM and attention calls alone, replayed from a CUDA graph (`bench.floor`): the time an
 exact step can at best reach under the same clocks, each in turn with the rest (with --quantize
 float8-row or float8-tensor the FP8 floor: torchao's scaled GEMMs, without the activations'
-quantization).
+quantization), and the copied step: those calls with each fused launch replayed as one device copy
+of the bytes it moves, in its place: how the fused kernels' traffic compares in the step with the
+copy the kernel benchmark holds each kernel against.
 --plot draws the pipelined step time of each mode against size, a panel a config.
 
 With --compile both modes run through `torch.compile(model)` (one compiled graph per mode; on the
@@ -81,13 +83,13 @@ from ..errors import BadValue, CommandError
 from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from ..models.flux2.model import folder_config
 from . import comfyui, flux1, flux3, hosts, qwenimage, zimage
-from .classify import tally
-from .floor import floor_step
+from .classify import fused_op, tally
+from .floor import copied_step, floor_step
 from .options import PX_PER_TOKEN, check_output, diffusers_only, no_package_model, require_at_least_one
-from .results.step import StepResult, format_step_table
+from .results.step import OpTraffic, StepResult, format_step_table
 from .results.tables import KERNEL_CLASSES, Breakdown, Paired, Timing, write_json
 from .timing import copy_bandwidth_gbs, event_ms, graphed, pipelined_ms, rotated_order, without_lead_ins
-from .traffic import fused_bytes
+from .traffic import bytes_by_op
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -125,7 +127,25 @@ def copy_gbs() -> float:
 def kernel_breakdown(fn: Callable[[], object]) -> Breakdown:
     """The CUDA kernels (and device memcpy / memset, counted as other) that one call of `fn` runs,
     by class, from torch.profiler: the launch counts and the time split come from the same step."""
-    return breakdown_of((e.name, e.time_range.elapsed_us()) for e in cuda_events(fn))
+    return breakdown_of(kernel_times(fn))
+
+
+def kernel_times(fn: Callable[[], object]) -> list[tuple[str, float]]:
+    """(name, duration in us) of each GPU kernel, copy and memset of one call of `fn`."""
+    return [(e.name, e.time_range.elapsed_us()) for e in cuda_events(fn)]
+
+
+def op_traffic(kernels: Iterable[tuple[str, float]], moved: dict[str, int]) -> list[OpTraffic]:
+    """The fused kernels among `kernels` (name, us) by op (`classify.fused_op`), each with the bytes
+    `moved` (op -> bytes, `traffic.bytes_by_op`) says its launches move, in `moved`'s order."""
+    ms = dict.fromkeys(moved, 0.0)
+    launches = dict.fromkeys(moved, 0)
+    for name, us in kernels:
+        op = fused_op(name)
+        if op is not None:
+            ms[op] = ms.get(op, 0.0) + us / 1e3
+            launches[op] = launches.get(op, 0) + 1
+    return [OpTraffic(op, launches[op], moved.get(op, 0) / 1e9, ms[op]) for op in ms]
 
 
 def step_inputs(
@@ -397,10 +417,15 @@ def captured(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 FLOAT8_FLOORS = ("float8-row", "float8-tensor")
 
 
-def floor_of(step: Callable[[], torch.Tensor], model: nn.Module) -> Callable[[], None]:
-    """`bench.floor.floor_step`, a CommandError where the step's calls cannot be recorded or captured."""
+def floor_of(
+    step: Callable[[], torch.Tensor],
+    model: nn.Module,
+    builder: Callable[..., Callable[[], None]] = floor_step,
+) -> Callable[[], None]:
+    """`bench.floor.floor_step` (or `builder`: its copied step), a CommandError where the step's calls
+    cannot be recorded or captured."""
     try:
-        return floor_step(step, model)
+        return builder(step, model)
     except (RuntimeError, ValueError) as err:
         message = f"--floor: the step's GEMM and attention calls could not be replayed: {err}"
         raise CommandError(message) from err
@@ -454,7 +479,8 @@ def bench_size(
             outputs["graph"] = runs["graph"]()
         if floor:
             runs["floor"] = floor_of(runs["fused"], subject.model)
-        fused_gb = fused_bytes(runs["fused"]) / 1e9
+            runs["copied"] = floor_of(runs["fused"], subject.model, copied_step)
+        moved = bytes_by_op(runs["fused"])
         # Compiled, each mode's runner sets its own mode (the diffusers host's twins need no switch).
         switch = None if compile_both else subject.switch
         synchronized = Timing.of(time_synchronized(run, steps, switch))
@@ -465,8 +491,10 @@ def bench_size(
         else:
             times, pipelined = {}, Timing.of(time_pipelined(run, steps))
         eager_profile = kernel_breakdown(runs["eager"])
-        fused_profile = kernel_breakdown(runs["fused"])
+        fused_kernels = kernel_times(runs["fused"])
+        fused_profile = breakdown_of(fused_kernels)
         floor_profile = kernel_breakdown(runs["floor"]) if floor else None
+        copied_profile = kernel_breakdown(runs["copied"]) if floor else None
         busy = {mode: pipelined_busy_pct(step) for mode, step in runs.items()}
         host = {mode: host_ms(step) for mode, step in runs.items()}
 
@@ -510,7 +538,10 @@ def bench_size(
         graph_bit_exact=torch.equal(outputs["graph"], outputs["eager"]) if graph else None,
         floor_ms=median("floor"),
         floor_profile=floor_profile,
-        fused_gb=fused_gb,
+        copied_ms=median("copied"),
+        copied_profile=copied_profile,
+        fused_gb=sum(moved.values()) / 1e9,
+        fused_ops=op_traffic(fused_kernels, moved),
         copy_gbs=copy_gbs(),
         reference_tokens=reference_tokens,
         block=block,

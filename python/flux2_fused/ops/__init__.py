@@ -28,12 +28,15 @@ _PACKAGES = (gated_resnorm, qk_norm_rope, swiglu, gelu_tanh, sandwich_norm, floa
 # `flux2-fused build` compiles their specs, `flux2-fused verify` runs their self-checks.
 OPS: tuple[FusedOp, ...] = tuple(package.OP for package in _PACKAGES)
 # Their kernels, by the name profilers show inside each launch's templated signature: how the
-# benchmarks and tests tell this package's launches from aten's, whatever the instantiation.
-FUSED_KERNELS: tuple[str, ...] = tuple(package.KERNEL for package in _PACKAGES)
+# benchmarks and tests tell this package's launches from aten's, whatever the instantiation, and
+# which op a launch belongs to (`KERNEL_OPS`: kernel name -> op name).
+KERNEL_OPS: dict[str, str] = {package.KERNEL: package.OP.name for package in _PACKAGES}
+FUSED_KERNELS: tuple[str, ...] = tuple(KERNEL_OPS)
 
 __all__ = [
     "DISABLE_ENV",
     "FUSED_KERNELS",
+    "KERNEL_OPS",
     "OPS",
     "FusedOp",
     "bits_equal",

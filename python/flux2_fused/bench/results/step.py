@@ -19,6 +19,23 @@ from .tables import (
 
 
 @dataclass
+class OpTraffic:
+    """One op's fused kernels in one profiled fused step: where each op stands against the copy
+    bandwidth at the model's own shapes, as the step runs it.
+
+    - op: the op's name (`ops.KERNEL_OPS`)
+    - launches: its kernel launches in the step (a per-tensor float8_quant call launches two)
+    - gb: the GB its launches read and write (`bench.traffic`)
+    - kernel_ms: its kernels' summed time in the profiled step
+    """
+
+    op: str
+    launches: int
+    gb: float
+    kernel_ms: float
+
+
+@dataclass
 class StepResult:
     """One config of `flux2-fused step` (its JSON is a list of these).
 
@@ -74,11 +91,19 @@ class StepResult:
       (`bench.floor`); else null
     - floor_profile: with --floor, the Breakdown of one such replay (its GEMM and attention kernel
       time should match the fused step's); else null
+    - copied_ms: with --floor, the median pipelined replay of those calls with each fused launch
+      replaced by a device copy of the bytes it moves, in its place (`bench.floor`'s copied step):
+      below fused_ms where the fused kernels move their bytes faster in the step than copies would;
+      else null
+    - copied_profile: with --floor, the Breakdown of one such replay (the copies count as other);
+      else null
     - fused_gb: the GB the fused kernels' launches move in one fused step (`bench.traffic`: each
       launch's tensor arguments, read or written once), null where not counted
     - copy_gbs: the GPU's device-to-device copy bandwidth in GB/s (read plus write) in this run: the
       fused kernels' bandwidth in the step (fused_gb over the fused step's profiled fused kernel
       time) is shown as a percentage of it
+    - fused_ops: OpTraffic of each op with a launch in the fused step, in the order each first
+      launched (their gb sum to fused_gb); empty where not counted
     - reference_tokens: FLUX.3's reference image tokens a sample (image-to-image), 0 for none
     - block: pipelined steps a mode runs in a row (--block; 1: the modes alternate every step); the
       pipelined timings pair steps * block steps a mode
@@ -118,8 +143,11 @@ class StepResult:
     graph_bit_exact: bool | None = None
     floor_ms: float | None = None
     floor_profile: Breakdown | None = None
+    copied_ms: float | None = None
+    copied_profile: Breakdown | None = None
     fused_gb: float | None = None
     copy_gbs: float | None = None
+    fused_ops: list[OpTraffic] = field(default_factory=list)
     reference_tokens: int = 0
     block: int = 1
     lead_in: int = 0
@@ -166,6 +194,7 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
         "compiled + fused ms (vs compiled)",
         "CUDA graph ms (vs fused)",
         "GEMM + attention alone ms (fused above it)",
+        "with the fused bytes copied ms (fused above it)",
         "GPU busy %",
         "host ms a step",
         "paired gain ms (95% CI)",
@@ -183,7 +212,7 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
         for label, t in (("synchronized", r.synchronized), (blocks, r.pipelined)):
             pipelined = label != "synchronized"
             pairs = r.steps * r.block if pipelined else r.steps
-            compiled = vs_compiled = compiled_fused = graph = floor = "-"
+            compiled = vs_compiled = compiled_fused = graph = floor = copied = "-"
             if pipelined and r.compiled_ms is not None:
                 compiled = f"{r.compiled_ms:.2f} ({speedup_text(100 * (r.compiled_ms / t.fused_ms - 1))})"
             if pipelined and r.compiled_vs_fused is not None:
@@ -197,6 +226,8 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
                 graph = f"{r.graph_ms:.2f} ({speedup_text(100 * (t.fused_ms / r.graph_ms - 1))}), {exact}"
             if pipelined and r.floor_ms is not None:
                 floor = f"{r.floor_ms:.2f} ({100 * (t.fused_ms / r.floor_ms - 1):+.1f}%)"
+            if pipelined and r.copied_ms is not None:
+                copied = f"{r.copied_ms:.2f} ({100 * (t.fused_ms / r.copied_ms - 1):+.1f}%)"
             busy = " / ".join(f"{m} {pct:.1f}" for m, pct in r.busy_pct.items()) if pipelined else "-"
             host = " / ".join(f"{m} {ms:.2f}" for m, ms in r.host_ms.items()) if pipelined else "-"
             rows.append(
@@ -214,6 +245,7 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
                     compiled_fused,
                     graph,
                     floor,
+                    copied,
                     busy or "-",
                     host or "-",
                     gain_text(t.paired_diff_ms, t.paired_ci95_ms),
@@ -224,7 +256,10 @@ def format_step_table(results: Sequence[StepResult], device: str, torch_version:
                     sha,
                 ]
             )
-    return "\n".join([title, markdown_table(headers, rows), "", format_breakdown_table(results)])
+    tables = [title, markdown_table(headers, rows), "", format_breakdown_table(results)]
+    if any(r.fused_ops for r in results):
+        tables += ["", format_traffic_table(results)]
+    return "\n".join(tables)
 
 
 def format_breakdown_table(results: Sequence[StepResult]) -> str:
@@ -238,6 +273,8 @@ def format_breakdown_table(results: Sequence[StepResult]) -> str:
         profiles = [("eager", r.eager_profile), ("fused", r.fused_profile)]
         if r.floor_profile is not None:
             profiles.append(("GEMM + attention alone", r.floor_profile))
+        if r.copied_profile is not None:
+            profiles.append(("with the fused bytes copied (as other)", r.copied_profile))
         for mode, b in profiles:
             shape = [r.batch, r.size_label]
             traffic = _traffic_cell(r, b) if mode == "fused" else "-"
@@ -260,3 +297,33 @@ def _traffic_cell(r: StepResult, fused: Breakdown) -> str:
         return f"{r.fused_gb:.2f}"
     gbs = r.fused_gb / (ms * 1e-3)
     return f"{r.fused_gb:.2f} ({gbs / 1e3:.2f} of {r.copy_gbs / 1e3:.2f} TB/s, {100 * gbs / r.copy_gbs:.0f}%)"
+
+
+def format_traffic_table(results: Sequence[StepResult]) -> str:
+    """Each op's fused kernels in the profiled fused step: launches, bytes, time, and their bandwidth
+    as a share of the copy bandwidth measured in the same process."""
+    headers = [
+        "config",
+        "host",
+        "B",
+        "size",
+        "op",
+        "launches",
+        "GB",
+        "kernel ms",
+        "TB/s",
+        "% of copy bandwidth",
+    ]
+    rows = []
+    for r in results:
+        for t in r.fused_ops:
+            gbs = t.gb / (t.kernel_ms * 1e-3) if t.kernel_ms > 0 else None
+            share = "-" if gbs is None or r.copy_gbs is None else f"{100 * gbs / r.copy_gbs:.0f}%"
+            tbs = "-" if gbs is None else f"{gbs / 1e3:.2f}"
+            cells = [t.op, t.launches, f"{t.gb:.2f}", f"{t.kernel_ms:.2f}", tbs, share]
+            rows.append([r.config, r.host_label, r.batch, r.size_label, *cells])
+    note = (
+        "(each op's launches in the profiled fused step, the bytes they read and write, their summed "
+        "kernel time, and their bandwidth against a device copy's measured in the same process)"
+    )
+    return f"{markdown_table(headers, rows)}\n{note}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .. import jit
@@ -35,3 +37,14 @@ def launch(
         q.view(torch.uint8), scale, x, words if per_tensor else None, given
     )
     return q, scale
+
+
+def moved_bytes(args: Sequence[object]) -> int:
+    """The bytes a launch with `launch`'s arguments moves, for the benchmarks' traffic count: each
+    tensor's elements once, and x once more where the tensor's amax is reduced here (the first
+    kernel reads x for it, the second again to quantize)."""
+    q, scale, x, words, given = args
+    moved = sum(t.numel() * t.element_size() for t in (q, scale, x, words) if isinstance(t, torch.Tensor))
+    if words is not None and given == 0 and isinstance(x, torch.Tensor):
+        moved += x.numel() * x.element_size()
+    return moved
