@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flux2_fused.bench.floor import ATTENTION_OPS, GEMM_OPS, Copy, copied_step, floor_step, record, replay
+from flux2_fused.bench.floor import ATTENTION_OPS, GEMM_OPS, Copy, floor_step, record, replay
 from flux2_fused.ops import jit
 
 
@@ -144,7 +144,7 @@ def test_the_copied_step_replays_a_real_launch_as_one_copy_on_the_gpu() -> None:
         calls = record(lambda: down(swiglu(up(x))), model.parameters(), fused=True)
         moved = 2 * 64 * (1024 + 512) * 2  # the projection read, the activation written
         assert [type(c) for c in calls] == [tuple, Copy, tuple] and calls[1] == Copy(moved)
-        copied = copied_step(lambda: down(swiglu(up(x))), model)
+        copied = floor_step(lambda: down(swiglu(up(x))), model, copies=True)
         copied()
         torch.cuda.synchronize()
         profile = kernel_breakdown(copied)

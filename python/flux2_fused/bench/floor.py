@@ -7,13 +7,14 @@ the floor an exact step can at best reach (measured, so within the noise of a fe
 step's distance above it is what its own kernels and the GPU's idle time still cost, and a target
 well below it is out of reach for any exact implementation.
 
-Beside it, the copied step: `copied_step` replays the same calls with, in place of each fused launch,
-one device copy of the bytes that launch moves (`bench.traffic`: half read, half written), where it
-ran. It times the step as if every fused kernel were the GPU's own copy of its bytes, so it says how
-the fused kernels' traffic compares, in place, with the copy that the kernel benchmark holds each
-kernel against: where the fused step is faster than the copied one, its kernels move their bytes in
-place faster than copies of them do (a fused kernel reads what the GEMM before it has just written,
-a copy a buffer of its own), and copy speed is not what bounds them there.
+Beside it, the copied step (`floor_step(..., copies=True)`) replays the same calls with, in place of
+each fused launch, one device copy of the bytes that launch moves (`bench.traffic`: half read, half
+written), where it ran. It times the step as if every fused kernel were the GPU's own copy of its
+bytes, so it says how the fused kernels' traffic compares, in place, with the copy that the kernel
+benchmark holds each kernel against: where the fused step is faster than the copied one, its
+kernels move their bytes in place faster than copies of them do (a fused kernel reads what the GEMM
+before it has just written, a copy a buffer of its own), and copy speed is not what bounds them
+there.
 
 `record(step, keep)` runs one step under a dispatch mode that notes each call of a GEMM or attention
 operator with its arguments: tensors of the model (`keep`: its weights, held by reference) as they
@@ -138,26 +139,19 @@ def replay(calls: Iterable[Call | Copy], scratch: tuple[torch.Tensor, torch.Tens
             func(*args, **kwargs)
 
 
-def _replayed(calls: Record) -> Callable[[], None]:
-    """`calls` captured in a CUDA graph, with scratch buffers for their largest `Copy`; ValueError
-    where there is no GEMM or attention call to replay."""
+def floor_step(
+    step: Callable[[], object], model: torch.nn.Module, copies: bool = False
+) -> Callable[[], None]:
+    """`step`'s GEMM and attention calls captured in a CUDA graph; the callable replays them. With
+    `copies`, the copied step: each of `step`'s fused launches replayed as a device copy of its
+    bytes, in its place among them, from scratch buffers as large as the largest. A step without
+    any GEMM or attention call (nothing to bound) raises ValueError."""
+    calls = record(step, (*model.parameters(), *model.buffers()), fused=copies)
     if not any(isinstance(call, tuple) for call in calls):
         raise ValueError("the step made no GEMM or attention call to replay")
-    copies = [call.nbytes // 2 for call in calls if isinstance(call, Copy)]
+    halves = [call.nbytes // 2 for call in calls if isinstance(call, Copy)]
     scratch = None
-    if copies:
-        source = torch.empty(max(copies), dtype=torch.uint8, device="cuda").random_()
+    if halves:
+        source = torch.empty(max(halves), dtype=torch.uint8, device="cuda").random_()
         scratch = (source, torch.empty_like(source))
     return graphed(lambda: replay(calls, scratch))
-
-
-def floor_step(step: Callable[[], object], model: torch.nn.Module) -> Callable[[], None]:
-    """`step`'s GEMM and attention calls captured in a CUDA graph; the callable replays them. A step
-    without any (nothing to bound) raises ValueError."""
-    return _replayed(record(step, (*model.parameters(), *model.buffers())))
-
-
-def copied_step(step: Callable[[], object], model: torch.nn.Module) -> Callable[[], None]:
-    """`floor_step` with each of `step`'s fused launches replayed as a device copy of its bytes, in
-    its place among the GEMMs and attention (the module docstring's copied step)."""
-    return _replayed(record(step, (*model.parameters(), *model.buffers()), fused=True))

@@ -84,7 +84,7 @@ from ..models.flux2 import Flux2Config, Flux2Transformer, image_ids, text_ids
 from ..models.flux2.model import folder_config
 from . import comfyui, flux1, flux3, hosts, qwenimage, zimage
 from .classify import fused_op, tally
-from .floor import copied_step, floor_step
+from .floor import floor_step
 from .options import PX_PER_TOKEN, check_output, diffusers_only, no_package_model, require_at_least_one
 from .results.step import OpTraffic, StepResult, format_step_table
 from .results.tables import KERNEL_CLASSES, Breakdown, Paired, Timing, write_json
@@ -417,15 +417,11 @@ def captured(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 FLOAT8_FLOORS = ("float8-row", "float8-tensor")
 
 
-def floor_of(
-    step: Callable[[], torch.Tensor],
-    model: nn.Module,
-    builder: Callable[..., Callable[[], None]] = floor_step,
-) -> Callable[[], None]:
-    """`bench.floor.floor_step` (or `builder`: its copied step), a CommandError where the step's calls
-    cannot be recorded or captured."""
+def floor_of(step: Callable[[], torch.Tensor], model: nn.Module, copies: bool = False) -> Callable[[], None]:
+    """`bench.floor.floor_step` (with `copies`, its copied step), a CommandError where the step's
+    calls cannot be recorded or captured."""
     try:
-        return builder(step, model)
+        return floor_step(step, model, copies)
     except (RuntimeError, ValueError) as err:
         message = f"--floor: the step's GEMM and attention calls could not be replayed: {err}"
         raise CommandError(message) from err
@@ -479,7 +475,7 @@ def bench_size(
             outputs["graph"] = runs["graph"]()
         if floor:
             runs["floor"] = floor_of(runs["fused"], subject.model)
-            runs["copied"] = floor_of(runs["fused"], subject.model, copied_step)
+            runs["copied"] = floor_of(runs["fused"], subject.model, copies=True)
         moved = bytes_by_op(runs["fused"])
         # Compiled, each mode's runner sets its own mode (the diffusers host's twins need no switch).
         switch = None if compile_both else subject.switch
